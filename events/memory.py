@@ -1,0 +1,191 @@
+"""An in-memory event log: a real implementation of the port, for fast tests and simulation.
+
+It keeps the same contract as PostgreSQL (the shared contract suite runs against both), with one
+writer at a time: every method completes without awaiting, so an append is atomic on the loop.
+Its global order is simply the order of appends (there are no concurrent transactions here).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .chain import chain
+from .codec import GENESIS_HASH, dumps, loads
+from .errors import IntegrityError, VersionConflict
+from .model import NewEvent, RecordedEvent
+from .store import (
+    AppendResult,
+    EventStore,
+    ExpiredCall,
+    OutboxEntry,
+    OutboxMessage,
+    Position,
+)
+
+__all__ = ["InMemoryEventStore"]
+
+
+def _copy(event: RecordedEvent) -> RecordedEvent:
+    """A reader's own copy, as a database hands out: mutating it cannot alter the log."""
+    return dataclasses.replace(
+        event, data=loads(dumps(event.data)), metadata=loads(dumps(event.metadata))
+    )
+
+
+class InMemoryEventStore(EventStore):
+    def __init__(
+        self,
+        clock: Callable[[], float] | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._streams: dict[str, list[RecordedEvent]] = {}
+        self._all: list[RecordedEvent] = []
+        self._event_ids: dict[object, RecordedEvent] = {}
+        self._outbox: dict[int, tuple[OutboxMessage, float]] = {}
+        self._next_outbox_id = 1
+        self._clock = clock or time.monotonic
+        self._wall_clock = wall_clock
+        # subtask id -> [task id, agent, deadline (epoch s), leased until (epoch s), deployment]
+        self._pending: dict[str, list[Any]] = {}
+        self.transactions = 0
+
+    async def append(
+        self,
+        stream_id: str,
+        expected_version: int,
+        events: Sequence[NewEvent],
+        *,
+        prev_hash: bytes,
+        outbox: Sequence[OutboxMessage] = (),
+        outbox_delay: float = 5.0,
+    ) -> AppendResult:
+        if not events:
+            raise IntegrityError("an append needs at least one event")
+        stream = self._streams.get(stream_id, [])
+        first = self._event_ids.get(events[0].event_id)
+        if first is not None:
+            if first.stream_id != stream_id:
+                raise IntegrityError(f"event {events[0].event_id} belongs to {first.stream_id!r}")
+            matched = [self._event_ids[e.event_id] for e in events if e.event_id in self._event_ids]
+            last = max(matched, key=lambda e: e.stream_version)
+            return AppendResult(version=last.stream_version, last_hash=last.hash, duplicate=True)
+        if len(stream) != expected_version:
+            raise VersionConflict(stream_id, expected_version)
+        head = stream[-1].hash if stream else GENESIS_HASH
+        if head != prev_hash:
+            raise IntegrityError(f"prev_hash does not match the head of {stream_id!r}")
+        if any(e.event_id in self._event_ids for e in events):
+            raise IntegrityError("an event id of this append is already in the log")
+        self.transactions += 1
+        tx_id = self.transactions
+        recorded: list[RecordedEvent] = []
+        for event, (version, previous, digest) in zip(
+            events, chain(stream_id, expected_version, events, prev_hash), strict=True
+        ):
+            recorded.append(
+                RecordedEvent(
+                    stream_id=stream_id,
+                    stream_version=version,
+                    event_id=event.event_id,
+                    event_type=event.event_type,
+                    # a copy through JSON, as a database would store it: no aliasing with the caller
+                    data=loads(dumps(event.data)),
+                    metadata=loads(dumps(event.metadata)),
+                    schema_version=event.schema_version,
+                    prev_hash=previous,
+                    hash=digest,
+                    global_position=len(self._all) + len(recorded) + 1,
+                    tx_id=tx_id,
+                )
+            )
+        self._streams[stream_id] = stream + recorded
+        self._all.extend(recorded)
+        self._event_ids.update((e.event_id, e) for e in recorded)
+        self._follow_pending_calls(recorded)
+        ids = []
+        for message in outbox:
+            ids.append(self._next_outbox_id)
+            self._outbox[self._next_outbox_id] = (message, self._clock() + outbox_delay)
+            self._next_outbox_id += 1
+        return AppendResult(
+            version=recorded[-1].stream_version, last_hash=recorded[-1].hash, outbox_ids=tuple(ids)
+        )
+
+    def _follow_pending_calls(self, recorded: list[RecordedEvent]) -> None:
+        """The same rules as the PostgreSQL trigger (migrations/versions/0002)."""
+        for event in recorded:
+            data = event.data
+            if event.event_type == "TaskPaused":
+                for call in data["calls"]:
+                    self._pending.setdefault(
+                        call["subtask_id"],
+                        [
+                            event.stream_id,
+                            call["agent"],
+                            float(call["deadline_at"]),
+                            0.0,
+                            event.metadata.get("deployment") or "",
+                        ],
+                    )
+        for event in recorded:
+            if event.event_type == "SubtaskClaimed":
+                self._pending.pop(event.data["subtask_id"], None)
+            elif event.event_type == "DeadlineExtended":
+                entry = self._pending.get(event.data["subtask_id"])
+                if entry is not None:
+                    entry[2], entry[3] = float(event.data["deadline_at"]), 0.0
+            elif event.event_type in ("TaskCompleted", "TaskFailed", "TaskCancelled"):
+                for subtask in [k for k, v in self._pending.items() if v[0] == event.stream_id]:
+                    del self._pending[subtask]
+
+    async def claim_expired_calls(
+        self, limit: int = 100, lease: float = 30.0, *, deployment: str | None = None
+    ) -> list[ExpiredCall]:
+        now = self._wall_clock()
+        expired = sorted(
+            (entry[2], subtask)
+            for subtask, entry in self._pending.items()
+            if entry[2] <= now
+            and entry[3] <= now
+            and (deployment is None or entry[4] == deployment)
+        )[:limit]
+        claimed = []
+        for _, subtask in expired:
+            entry = self._pending[subtask]
+            entry[3] = now + lease
+            claimed.append(ExpiredCall(subtask_id=subtask, task_id=entry[0], agent=entry[1]))
+        return claimed
+
+    async def pending_call_deadlines(self, task_id: str) -> dict[str, float]:
+        return {k: v[2] for k, v in self._pending.items() if v[0] == task_id}
+
+    async def read_stream(self, stream_id: str) -> list[RecordedEvent]:
+        return [_copy(e) for e in self._streams.get(stream_id, ())]
+
+    async def read_all(
+        self, after: Position = Position(), limit: int = 1000
+    ) -> list[RecordedEvent]:
+        found = [e for e in self._all if Position.of(e) > after]
+        return [_copy(e) for e in found[:limit]]
+
+    async def claim_outbox(self, limit: int = 100, lease: float = 30.0) -> list[OutboxEntry]:
+        now = self._clock()
+        claimed: list[OutboxEntry] = []
+        for outbox_id, (message, available_at) in sorted(self._outbox.items()):
+            if len(claimed) >= limit:
+                break
+            if available_at <= now:
+                self._outbox[outbox_id] = (message, now + lease)
+                claimed.append(OutboxEntry(outbox_id, copy.deepcopy(message)))
+        return claimed
+
+    async def delete_outbox(self, ids: Sequence[int]) -> None:
+        for outbox_id in ids:
+            self._outbox.pop(outbox_id, None)
+
+    async def outbox_size(self) -> int:
+        return len(self._outbox)

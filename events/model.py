@@ -1,0 +1,292 @@
+"""The task's events, and the envelopes the log stores them in.
+
+Every event of a task's stream is a frozen pydantic model below. The log stores an event as a
+:class:`NewEvent` (what a writer appends) and hands it back as a :class:`RecordedEvent` (with its
+stream version, global position, transaction id and hash). Data and metadata travel as plain
+JSON-compatible dicts inside the envelopes; :func:`parse` turns a recorded event back into its
+model. An event type this code does not know is kept as it is and parses to :class:`UnknownEvent`,
+never dropped.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = [
+    "CancelledCall",
+    "DeadlineExtended",
+    "DomainEvent",
+    "EventMetadata",
+    "NewEvent",
+    "PendingCall",
+    "RecordedEvent",
+    "ReplyIgnored",
+    "ResultRecorded",
+    "SubtaskClaimed",
+    "TaskCancelled",
+    "TaskCompleted",
+    "TaskFailed",
+    "TaskPaused",
+    "TaskResumed",
+    "TaskStarted",
+    "UnknownEvent",
+    "event_types",
+    "parse",
+]
+
+JSON = Any
+
+
+class DomainEvent(BaseModel):
+    """Base of every event of a task's stream. ``event_type`` is the name stored in the log."""
+
+    # NaN and infinity are kept as floats when dumped, so the hash chain's canonical encoding
+    # rejects them; pydantic's default turns them into null, which silently deletes a state key
+    # (a None in a delta) or replaces a result with null.
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="constants")
+    event_type: ClassVar[str]
+    schema_version: ClassVar[int] = 1
+    audit_only: ClassVar[bool] = False
+    """Audit events record what was seen but change nothing; they may follow a terminal event."""
+    terminal: ClassVar[bool] = False
+
+
+class PendingCall(BaseModel):
+    """One call a paused task waits for: the sub-task, its peer, its input and its deadline."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="constants")
+    subtask_id: str
+    agent: str
+    input: JSON
+    deadline_at: float
+    """Seconds since the epoch by which the result must be recorded (measured from dispatch)."""
+    dispatched_at: float | None = None
+    """When the call was dispatched; extensions of the deadline are bounded from here."""
+
+
+class TaskStarted(DomainEvent):
+    """The first event of a task that needs the log: who asked for what, and where to answer."""
+
+    event_type: ClassVar[str] = "TaskStarted"
+    agent: str
+    input: JSON
+    reply_to: str | None = None
+    correlation_id: str | None = None
+
+
+class TaskPaused(DomainEvent):
+    """A checkpoint: the handler returned a pause at invocation ``pause`` (1 for the first run)."""
+
+    event_type: ClassVar[str] = "TaskPaused"
+    pause: int
+    state_delta: dict[str, JSON]
+    """Minimal change to the agent's state; a ``None`` value deletes the key."""
+    calls: tuple[PendingCall, ...]
+
+
+class SubtaskClaimed(DomainEvent):
+    """A reply for ``subtask_id`` was taken; no other reply for it will ever be applied."""
+
+    event_type: ClassVar[str] = "SubtaskClaimed"
+    subtask_id: str
+    pause: int
+    message_id: str | None = None
+    """The AMQP message id of the claiming reply, to recognise its own redelivery."""
+
+
+class ResultRecorded(DomainEvent):
+    """The result of a claimed sub-task: ok with a value, an error, or a timeout."""
+
+    event_type: ClassVar[str] = "ResultRecorded"
+    subtask_id: str
+    pause: int
+    outcome: Literal["ok", "error", "timeout"]
+    value: JSON = None
+    error: JSON = None
+
+
+class TaskResumed(DomainEvent):
+    """Every call of pause ``pause`` has its result; the task runs again (once per pause)."""
+
+    event_type: ClassVar[str] = "TaskResumed"
+    pause: int
+
+
+class TaskCompleted(DomainEvent):
+    event_type: ClassVar[str] = "TaskCompleted"
+    terminal: ClassVar[bool] = True
+    result: JSON
+
+
+class TaskFailed(DomainEvent):
+    """The handler failed for good (its retries are spent, or its outcome was invalid)."""
+
+    event_type: ClassVar[str] = "TaskFailed"
+    terminal: ClassVar[bool] = True
+    error: JSON
+
+
+class CancelledCall(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    subtask_id: str
+    agent: str
+
+
+class TaskCancelled(DomainEvent):
+    """The task was cancelled; ``pending`` are the calls it still waited for (each is cancelled)."""
+
+    event_type: ClassVar[str] = "TaskCancelled"
+    terminal: ClassVar[bool] = True
+    reason: str | None = None
+    pending: tuple[CancelledCall, ...] = ()
+
+
+class DeadlineExtended(DomainEvent):
+    """A peer reported progress on ``subtask_id``; its deadline moves to ``deadline_at``."""
+
+    event_type: ClassVar[str] = "DeadlineExtended"
+    subtask_id: str
+    pause: int
+    deadline_at: float
+
+
+class ReplyIgnored(DomainEvent):
+    """Audit only: a reply acked but not applied (duplicate, late, or for no known call)."""
+
+    event_type: ClassVar[str] = "ReplyIgnored"
+    audit_only: ClassVar[bool] = True
+    subtask_id: str
+    reason: Literal["duplicate", "late", "unknown-call"]
+    message_id: str | None = None
+    outcome: str | None = None
+
+
+class UnknownEvent(DomainEvent):
+    """An event type this code does not know; kept verbatim so nothing is lost on read."""
+
+    event_type: ClassVar[str] = "?"
+    audit_only: ClassVar[bool] = True
+    type_name: str
+    data: dict[str, JSON]
+
+
+_EVENT_TYPES: dict[str, type[DomainEvent]] = {
+    cls.event_type: cls
+    for cls in (
+        TaskStarted,
+        TaskPaused,
+        SubtaskClaimed,
+        ResultRecorded,
+        TaskResumed,
+        TaskCompleted,
+        TaskFailed,
+        TaskCancelled,
+        DeadlineExtended,
+        ReplyIgnored,
+    )
+}
+
+
+def event_types() -> dict[str, type[DomainEvent]]:
+    """The event types this code knows, by stored name."""
+    return dict(_EVENT_TYPES)
+
+
+class EventMetadata(BaseModel):
+    """Who caused an event and in which context; stored with every event and hashed with it."""
+
+    model_config = ConfigDict(frozen=True, extra="allow", ser_json_inf_nan="constants")
+    worker_id: str | None = None
+    amqp_user: str | None = None
+    causation_id: str | None = None
+    """The id of the message whose handling produced the event."""
+    correlation_id: str | None = None
+    """The root task of the whole call tree."""
+    trace_id: str | None = None
+    occurred_at: float | None = None
+    deployment: str | None = None
+    """The queue prefix of the writer; the deadline sweeper of a deployment takes only its own."""
+
+
+@dataclass(frozen=True, slots=True)
+class NewEvent:
+    """An event as a writer appends it."""
+
+    event_id: uuid.UUID
+    event_type: str
+    data: dict[str, JSON]
+    metadata: dict[str, JSON] = field(default_factory=dict)
+    schema_version: int = 1
+
+    @classmethod
+    def of(cls, event_id: uuid.UUID, event: DomainEvent, metadata: EventMetadata) -> NewEvent:
+        return cls(
+            event_id=event_id,
+            event_type=event.event_type,
+            data=event.model_dump(mode="json"),
+            metadata=metadata.model_dump(mode="json", exclude_none=True),
+            schema_version=event.schema_version,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedEvent:
+    """An event as the log holds it."""
+
+    stream_id: str
+    stream_version: int
+    event_id: uuid.UUID
+    event_type: str
+    data: dict[str, JSON]
+    metadata: dict[str, JSON]
+    schema_version: int
+    prev_hash: bytes
+    hash: bytes
+    global_position: int = 0
+    tx_id: int = 0
+    recorded_at: datetime | None = None
+
+    def hash_body(self) -> dict[str, JSON]:
+        return hash_body(
+            self.stream_id,
+            self.stream_version,
+            self.event_id,
+            self.event_type,
+            self.schema_version,
+            self.data,
+            self.metadata,
+        )
+
+
+def hash_body(
+    stream_id: str,
+    stream_version: int,
+    event_id: uuid.UUID,
+    event_type: str,
+    schema_version: int,
+    data: dict[str, JSON],
+    metadata: dict[str, JSON],
+) -> dict[str, JSON]:
+    """What the hash chain covers for one event."""
+    return {
+        "stream_id": stream_id,
+        "stream_version": stream_version,
+        "event_id": str(event_id),
+        "event_type": event_type,
+        "schema_version": schema_version,
+        "data": data,
+        "metadata": metadata,
+    }
+
+
+def parse(event: RecordedEvent) -> DomainEvent:
+    """The domain event inside a recorded one; unknown types come back as :class:`UnknownEvent`."""
+    cls = _EVENT_TYPES.get(event.event_type)
+    if cls is None:
+        return UnknownEvent(type_name=event.event_type, data=event.data)
+    return cls.model_validate(event.data)

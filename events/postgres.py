@@ -1,0 +1,346 @@
+"""The event log on PostgreSQL: SQLAlchemy 2 Core over asyncpg.
+
+Hot paths are single statements run in autocommit mode, so an append is exactly one round trip:
+the events (all of one decision, through ``unnest``) and the outbox rows they imply go in one
+statement whose data-modifying CTEs commit together or not at all. The pool does not reset
+connections on return (there is no open transaction to roll back), which measured ~20% faster.
+
+Global order: a reader that followed ``global_position`` alone would skip events whose
+transaction commits after a later position's. ``read_all`` orders by ``(tx_id, global_position)``
+and stops below ``pg_snapshot_xmin(pg_current_snapshot())``, the oldest transaction still running,
+so nothing can later appear behind the cursor; writers are never serialised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy.exc
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from .chain import chain
+from .codec import GENESIS_HASH, dumps, loads
+from .errors import EventStoreError, IntegrityError, StoreUnavailable, VersionConflict
+from .model import NewEvent, RecordedEvent
+from .store import (
+    AppendResult,
+    EventStore,
+    ExpiredCall,
+    OutboxEntry,
+    OutboxMessage,
+    Position,
+)
+
+__all__ = ["PostgresEventStore", "create_engine"]
+
+_APPEND = text(
+    """
+    WITH head_ok AS (
+        SELECT 1 WHERE (CAST(:expected AS integer) = 0 AND CAST(:prev_hash AS bytea) = :genesis)
+            OR EXISTS (
+                SELECT 1 FROM events
+                WHERE stream_id = :stream AND stream_version = :expected AND hash = :prev_hash)
+    ), appended AS (
+        INSERT INTO events (stream_id, stream_version, event_id, event_type, schema_version,
+                            data, metadata, prev_hash, hash)
+        SELECT :stream, v, e, t, s, CAST(d AS jsonb), CAST(m AS jsonb), p, h
+        FROM unnest(CAST(:versions AS integer[]), CAST(:event_ids AS uuid[]),
+                    CAST(:types AS text[]), CAST(:schema_versions AS integer[]),
+                    CAST(:data AS text[]), CAST(:metadata AS text[]),
+                    CAST(:prev_hashes AS bytea[]), CAST(:hashes AS bytea[]))
+             AS u(v, e, t, s, d, m, p, h)
+        WHERE EXISTS (SELECT 1 FROM head_ok)
+        RETURNING global_position
+    ), published AS (
+        INSERT INTO outbox (message_id, stream_id, exchange, routing_key, properties, body,
+                            available_at)
+        SELECT mi, :stream, ex, rk, CAST(pr AS jsonb), bd,
+               now() + make_interval(secs => CAST(:outbox_delay AS double precision))
+        FROM unnest(CAST(:message_ids AS text[]), CAST(:exchanges AS text[]),
+                    CAST(:routing_keys AS text[]), CAST(:properties AS text[]),
+                    CAST(:bodies AS bytea[])) AS o(mi, ex, rk, pr, bd)
+        WHERE EXISTS (SELECT 1 FROM appended)
+        RETURNING id
+    )
+    SELECT (SELECT count(*) FROM appended) AS appended,
+           ARRAY(SELECT id FROM published ORDER BY id) AS outbox_ids
+    """
+)
+
+_FIND_EVENTS = text(
+    """
+    SELECT event_id, stream_id, stream_version, hash FROM events
+    WHERE event_id = ANY(CAST(:event_ids AS uuid[])) ORDER BY stream_version
+    """
+)
+
+_STREAM_HEAD = text("SELECT max(stream_version) FROM events WHERE stream_id = :stream")
+
+_COLUMNS = """stream_id, stream_version, event_id, event_type, data::text, metadata::text,
+              schema_version, prev_hash, hash, global_position, tx_id::text, recorded_at"""
+
+_READ_STREAM = text(
+    f"SELECT {_COLUMNS} FROM events WHERE stream_id = :stream ORDER BY stream_version"
+)
+
+_READ_ALL = text(
+    f"""
+    SELECT {_COLUMNS} FROM events
+    WHERE (tx_id, global_position) > (CAST(CAST(:tx_id AS text) AS xid8), CAST(:position AS bigint))
+      AND tx_id < pg_snapshot_xmin(pg_current_snapshot())
+    ORDER BY tx_id, global_position
+    LIMIT :limit
+    """
+)
+
+_CLAIM_OUTBOX = text(
+    """
+    UPDATE outbox SET available_at = now() + make_interval(secs => CAST(:lease AS double precision))
+    WHERE id IN (SELECT id FROM outbox WHERE available_at <= now()
+                 ORDER BY id LIMIT :limit FOR UPDATE SKIP LOCKED)
+    RETURNING id, message_id, exchange, routing_key, properties::text, body
+    """
+)
+
+_CLAIM_EXPIRED = text(
+    """
+    UPDATE pending_calls
+    SET leased_until = now() + make_interval(secs => CAST(:lease AS double precision))
+    WHERE subtask_id IN (
+        SELECT subtask_id FROM pending_calls
+        WHERE deadline_at <= now() AND (leased_until IS NULL OR leased_until <= now())
+          AND (CAST(:deployment AS text) IS NULL OR deployment = :deployment)
+        ORDER BY deadline_at LIMIT :limit FOR UPDATE SKIP LOCKED)
+    RETURNING subtask_id, task_id, agent
+    """
+)
+
+_PENDING_OF_TASK = text(
+    "SELECT subtask_id, extract(epoch FROM deadline_at) FROM pending_calls WHERE task_id = :task"
+)
+
+_DELETE_OUTBOX = text("DELETE FROM outbox WHERE id = ANY(CAST(:ids AS bigint[]))")
+_OUTBOX_SIZE = text("SELECT count(*) FROM outbox")
+
+
+def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
+    """An engine tuned for the log: autocommit statements, no reset on return, pre-ping off.
+
+    No overflow: an overflow connection is closed when it is returned to a full pool, so a burst
+    of work above ``pool_size`` would open and close connections all the time (measured: ~600
+    new connections per 2,000 parents and a 10x slower checkpoint). Callers wait for a pooled
+    connection instead.
+    """
+    return create_async_engine(
+        url,
+        isolation_level="AUTOCOMMIT",
+        pool_size=pool_size,
+        max_overflow=0,
+        pool_reset_on_return=None,
+    )
+
+
+def _row_to_event(row: Any) -> RecordedEvent:
+    return RecordedEvent(
+        stream_id=row[0],
+        stream_version=row[1],
+        event_id=row[2],
+        event_type=row[3],
+        data=loads(row[4]),
+        metadata=loads(row[5]),
+        schema_version=row[6],
+        prev_hash=bytes(row[7]),
+        hash=bytes(row[8]),
+        global_position=row[9],
+        tx_id=int(row[10]),
+        recorded_at=row[11],
+    )
+
+
+def _translate(error: Exception) -> EventStoreError:
+    """Map a driver or SQLAlchemy error to the log's own hierarchy."""
+    if isinstance(error, sqlalchemy.exc.DBAPIError) and error.connection_invalidated:
+        return StoreUnavailable(str(error.orig or error))
+    if isinstance(error, (OSError, TimeoutError, sqlalchemy.exc.InterfaceError)):
+        return StoreUnavailable(str(error))
+    if isinstance(error, sqlalchemy.exc.OperationalError):
+        return StoreUnavailable(str(error.orig or error))
+    if isinstance(error, sqlalchemy.exc.DBAPIError):
+        cause = error.orig
+        sqlstate = getattr(cause, "sqlstate", None) or getattr(
+            getattr(cause, "__cause__", None), "sqlstate", None
+        )
+        if sqlstate and sqlstate.startswith(("08", "57P")):  # connection exception, shutdown
+            return StoreUnavailable(str(cause))
+    return IntegrityError(str(error))
+
+
+class PostgresEventStore(EventStore):
+    """The log in PostgreSQL. Owns its engine unless one is passed in."""
+
+    def __init__(self, engine: AsyncEngine, *, owns_engine: bool = False) -> None:
+        self.engine = engine
+        self._owns_engine = owns_engine
+
+    @classmethod
+    def from_url(cls, url: str, *, pool_size: int = 10) -> PostgresEventStore:
+        return cls(create_engine(url, pool_size=pool_size), owns_engine=True)
+
+    async def close(self) -> None:
+        if self._owns_engine:
+            await self.engine.dispose()
+
+    async def append(
+        self,
+        stream_id: str,
+        expected_version: int,
+        events: Sequence[NewEvent],
+        *,
+        prev_hash: bytes,
+        outbox: Sequence[OutboxMessage] = (),
+        outbox_delay: float = 5.0,
+    ) -> AppendResult:
+        if not events:
+            raise IntegrityError("an append needs at least one event")
+        links = chain(stream_id, expected_version, events, prev_hash)
+        params = {
+            "stream": stream_id,
+            "expected": expected_version,
+            "prev_hash": prev_hash,
+            "genesis": GENESIS_HASH,  # a new stream chains to it, as in every backend
+            "versions": [version for version, _, _ in links],
+            "event_ids": [e.event_id for e in events],
+            "types": [e.event_type for e in events],
+            "schema_versions": [e.schema_version for e in events],
+            "data": [dumps(e.data).decode() for e in events],
+            "metadata": [dumps(e.metadata).decode() for e in events],
+            "prev_hashes": [previous for _, previous, _ in links],
+            "hashes": [digest for _, _, digest in links],
+            "outbox_delay": outbox_delay,
+            "message_ids": [m.message_id for m in outbox],
+            "exchanges": [m.exchange for m in outbox],
+            "routing_keys": [m.routing_key for m in outbox],
+            "properties": [dumps(m.properties).decode() for m in outbox],
+            "bodies": [m.body for m in outbox],
+        }
+        try:
+            async with self.engine.connect() as connection:
+                try:
+                    row = (await connection.execute(_APPEND, params)).one()
+                except sqlalchemy.exc.IntegrityError:
+                    # a unique key was hit: our own events again, or someone else's at our version
+                    return await self._after_collision(
+                        connection, stream_id, expected_version, events
+                    )
+                if row.appended == 0:
+                    head = await connection.scalar(_STREAM_HEAD, {"stream": stream_id})
+                    if (head or 0) != expected_version:
+                        raise VersionConflict(stream_id, expected_version)
+                    raise IntegrityError(
+                        f"prev_hash does not match the hash of {stream_id!r} v{expected_version}"
+                    )
+        except EventStoreError:
+            raise
+        except Exception as error:
+            raise _translate(error) from error
+        return AppendResult(
+            version=links[-1][0], last_hash=links[-1][2], outbox_ids=tuple(row.outbox_ids)
+        )
+
+    async def _after_collision(
+        self, connection: Any, stream_id: str, expected_version: int, events: Sequence[NewEvent]
+    ) -> AppendResult:
+        found = {
+            row.event_id: row
+            for row in await connection.execute(
+                _FIND_EVENTS, {"event_ids": [e.event_id for e in events]}
+            )
+        }
+        first = found.get(events[0].event_id)
+        if first is None:
+            raise VersionConflict(stream_id, expected_version)
+        if first.stream_id != stream_id:
+            raise IntegrityError(f"event {events[0].event_id} belongs to {first.stream_id!r}")
+        last = max(
+            (row for row in found.values() if row.stream_id == stream_id),
+            key=lambda row: row.stream_version,
+        )
+        return AppendResult(version=last.stream_version, last_hash=bytes(last.hash), duplicate=True)
+
+    async def read_stream(self, stream_id: str) -> list[RecordedEvent]:
+        try:
+            async with self.engine.connect() as connection:
+                rows = (await connection.execute(_READ_STREAM, {"stream": stream_id})).all()
+        except Exception as error:
+            raise _translate(error) from error
+        return [_row_to_event(row) for row in rows]
+
+    async def read_all(
+        self, after: Position = Position(), limit: int = 1000
+    ) -> list[RecordedEvent]:
+        params = {"tx_id": str(after.tx_id), "position": after.global_position, "limit": limit}
+        try:
+            async with self.engine.connect() as connection:
+                rows = (await connection.execute(_READ_ALL, params)).all()
+        except Exception as error:
+            raise _translate(error) from error
+        return [_row_to_event(row) for row in rows]
+
+    async def claim_outbox(self, limit: int = 100, lease: float = 30.0) -> list[OutboxEntry]:
+        try:
+            async with self.engine.connect() as connection:
+                rows = (
+                    await connection.execute(_CLAIM_OUTBOX, {"limit": limit, "lease": lease})
+                ).all()
+        except Exception as error:
+            raise _translate(error) from error
+        return [
+            OutboxEntry(
+                id=row[0],
+                message=OutboxMessage(
+                    message_id=row[1],
+                    exchange=row[2],
+                    routing_key=row[3],
+                    properties=loads(row[4]),
+                    body=bytes(row[5]),
+                ),
+            )
+            for row in sorted(rows, key=lambda r: r[0])
+        ]
+
+    async def delete_outbox(self, ids: Sequence[int]) -> None:
+        if not ids:
+            return
+        try:
+            async with self.engine.connect() as connection:
+                await connection.execute(_DELETE_OUTBOX, {"ids": list(ids)})
+        except Exception as error:
+            raise _translate(error) from error
+
+    async def outbox_size(self) -> int:
+        try:
+            async with self.engine.connect() as connection:
+                return int(await connection.scalar(_OUTBOX_SIZE) or 0)
+        except Exception as error:
+            raise _translate(error) from error
+
+    async def claim_expired_calls(
+        self, limit: int = 100, lease: float = 30.0, *, deployment: str | None = None
+    ) -> list[ExpiredCall]:
+        params = {"limit": limit, "lease": lease, "deployment": deployment}
+        try:
+            async with self.engine.connect() as connection:
+                rows = (await connection.execute(_CLAIM_EXPIRED, params)).all()
+        except Exception as error:
+            raise _translate(error) from error
+        return [ExpiredCall(subtask_id=r[0], task_id=r[1], agent=r[2]) for r in rows]
+
+    async def pending_call_deadlines(self, task_id: str) -> dict[str, float]:
+        try:
+            async with self.engine.connect() as connection:
+                rows = (await connection.execute(_PENDING_OF_TASK, {"task": task_id})).all()
+        except Exception as error:
+            raise _translate(error) from error
+        return {r[0]: float(r[1]) for r in rows}

@@ -1,0 +1,138 @@
+"""The event log's port: the contract every backend implements.
+
+A backend (``events.postgres.PostgresEventStore``, ``events.memory.InMemoryEventStore``) keeps one
+stream of events per task and a transactional outbox of messages those events imply.
+
+Contract (the shared suite in ``tests/contract/test_event_store.py`` runs it against every backend):
+
+* ``append(stream, expected_version, events, prev_hash=…, outbox=…)`` writes all of ``events`` at
+  versions ``expected_version + 1 …`` and all of ``outbox`` atomically, or nothing.
+  - If the stream is not at ``expected_version`` it raises :class:`~events.errors.VersionConflict`.
+  - If the first event's id is already in the stream, nothing is written and the result says
+    ``duplicate=True``: the same decision was recorded before (a redelivery, a re-run).
+  - Each event's hash chains to the one before it: ``prev_hash`` must be the hash of the event
+    at ``expected_version`` (:data:`~events.codec.GENESIS_HASH` for a new stream).
+* ``read_stream`` returns a stream's events in version order.
+* ``read_all(after)`` returns events in commit order, never skipping one that commits later
+  with a smaller position (the snapshot-horizon cursor of DESIGN.md §3).
+* Pending calls (an inline projection kept by the append itself): a ``TaskPaused`` adds its
+  calls with their deadlines, a ``SubtaskClaimed`` removes one, a ``DeadlineExtended`` moves
+  one, a terminal event removes the task's rest. ``claim_expired_calls`` leases expired ones
+  for ``lease`` seconds, skipping those another sweeper holds.
+* The outbox: rows become visible to ``claim_outbox`` after ``outbox_delay`` seconds (the writer
+  publishes them itself first); a claim leases rows for ``lease`` seconds so two relays do not
+  publish the same row at once; ``delete_outbox`` forgets published rows.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .model import NewEvent, RecordedEvent
+
+__all__ = [
+    "AppendResult",
+    "EventStore",
+    "ExpiredCall",
+    "OutboxEntry",
+    "OutboxMessage",
+    "Position",
+]
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Position:
+    """A reader's place in the global order: (transaction id, global position)."""
+
+    tx_id: int = 0
+    global_position: int = 0
+
+    @classmethod
+    def of(cls, event: RecordedEvent) -> Position:
+        return cls(event.tx_id, event.global_position)
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxMessage:
+    """A message implied by appended events, published after they commit."""
+
+    message_id: str
+    routing_key: str
+    body: bytes
+    properties: dict[str, Any] = field(default_factory=dict)
+    """AMQP properties: ``type``, ``correlation_id``, ``reply_to``, ``headers``, …"""
+    exchange: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxEntry:
+    id: int
+    message: OutboxMessage
+
+
+@dataclass(frozen=True, slots=True)
+class ExpiredCall:
+    """A pending call whose deadline has passed, leased to one sweeper."""
+
+    subtask_id: str
+    task_id: str
+    agent: str
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    version: int
+    """The stream's version after the append (for a duplicate: of the last matching event)."""
+    last_hash: bytes
+    duplicate: bool = False
+    outbox_ids: tuple[int, ...] = ()
+
+
+class EventStore(abc.ABC):
+    """An append-only, hash-chained log of task streams with a transactional outbox."""
+
+    @abc.abstractmethod
+    async def append(
+        self,
+        stream_id: str,
+        expected_version: int,
+        events: Sequence[NewEvent],
+        *,
+        prev_hash: bytes,
+        outbox: Sequence[OutboxMessage] = (),
+        outbox_delay: float = 5.0,
+    ) -> AppendResult: ...
+
+    @abc.abstractmethod
+    async def read_stream(self, stream_id: str) -> list[RecordedEvent]: ...
+
+    @abc.abstractmethod
+    async def read_all(
+        self, after: Position = Position(), limit: int = 1000
+    ) -> list[RecordedEvent]: ...
+
+    @abc.abstractmethod
+    async def claim_outbox(self, limit: int = 100, lease: float = 30.0) -> list[OutboxEntry]: ...
+
+    @abc.abstractmethod
+    async def delete_outbox(self, ids: Sequence[int]) -> None: ...
+
+    @abc.abstractmethod
+    async def outbox_size(self) -> int: ...
+
+    @abc.abstractmethod
+    async def claim_expired_calls(
+        self, limit: int = 100, lease: float = 30.0, *, deployment: str | None = None
+    ) -> list[ExpiredCall]:
+        """Lease up to ``limit`` pending calls whose deadline has passed; only those appended
+        with metadata ``deployment`` equal to ``deployment`` when it is given."""
+
+    @abc.abstractmethod
+    async def pending_call_deadlines(self, task_id: str) -> dict[str, float]:
+        """The pending calls of one task and their deadlines (seconds since the epoch)."""
+
+    async def close(self) -> None:  # noqa: B027 - optional for backends holding nothing
+        """Release connections."""

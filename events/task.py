@@ -1,0 +1,500 @@
+"""The task as a pure state machine.
+
+``fold`` turns a task's events into a :class:`TaskState`; the ``decide_*`` functions take a state
+and an input (a handler's outcome, a peer's reply) and return the events to append. Nothing here
+does I/O, reads a clock or draws a random number: time comes in as an argument, and every id is
+derived from ids already known, so the same inputs always give the same events. That is what makes
+a re-run after a crash write exactly what the first run wrote (Flovyn bug 1) and lets the property
+tests explore every interleaving.
+
+A task's life::
+
+    new ──run──▶ (no events: completed without the log)
+     │
+     └─run─▶ paused(1) ──replies──▶ resumed(1) ──run──▶ paused(2) … ──run──▶ completed
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal
+
+from .codec import canonical
+from .model import (
+    CancelledCall,
+    DeadlineExtended,
+    DomainEvent,
+    PendingCall,
+    RecordedEvent,
+    ReplyIgnored,
+    ResultRecorded,
+    SubtaskClaimed,
+    TaskCancelled,
+    TaskCompleted,
+    TaskFailed,
+    TaskPaused,
+    TaskResumed,
+    TaskStarted,
+    parse,
+)
+
+__all__ = [
+    "Call",
+    "CallResult",
+    "Complete",
+    "InvalidTransition",
+    "Outcome",
+    "Pause",
+    "TaskState",
+    "apply_delta",
+    "decide_cancel",
+    "decide_extension",
+    "decide_failure",
+    "decide_outcome",
+    "decide_reply",
+    "decide_timeout",
+    "event_id",
+    "fold",
+    "parse_subtask_id",
+    "subtask_id",
+]
+
+_EVENT_NAMESPACE = uuid.UUID("6f1f8a52-3c7e-4f43-9a57-7f3b2c1d0e11")
+
+Status = Literal["new", "paused", "resumed", "completed", "failed", "cancelled"]
+
+
+class InvalidTransition(Exception):
+    """The input does not apply to the task in its current state (a caller's mistake)."""
+
+
+# ---- what a handler returns ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """A call to a peer agent: its name, its input, and an optional timeout in seconds."""
+
+    agent: str
+    input: Any = None
+    timeout: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """Pause the task until every call has a result.
+
+    ``update`` is the change to the agent's state, applied key by key: a value replaces the key,
+    ``None`` deletes it. Everything else in the state stays as it was.
+    """
+
+    calls: Sequence[Call]
+    update: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Complete:
+    """Finish the task with ``result`` (any JSON value)."""
+
+    result: Any = None
+
+
+Outcome = Pause | Complete
+
+
+@dataclass(frozen=True, slots=True)
+class CallResult:
+    """The recorded result of one call, as a resumed handler receives it."""
+
+    subtask_id: str
+    agent: str
+    outcome: Literal["ok", "error", "timeout"]
+    value: Any = None
+    error: Any = None
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "ok"
+
+
+# ---- ids -----------------------------------------------------------------------------------------
+
+
+def subtask_id(task_id: str, pause: int, index: int) -> str:
+    """The id of call ``index`` of pause ``pause``: stable across re-runs of the same pause."""
+    return f"{task_id}:{pause}:{index}"
+
+
+def parse_subtask_id(value: str) -> tuple[str, int, int]:
+    """``(task_id, pause, index)`` of a sub-task id; ``ValueError`` when it is not one."""
+    task_id, pause, index = value.rsplit(":", 2)
+    # only what subtask_id writes: int() alone would also take "01", "+1", " 1", "1_0" or "١"
+    if (
+        not task_id
+        or not all(part.isascii() and part.isdigit() for part in (pause, index))
+        or any(len(part) > 1 and part.startswith("0") for part in (pause, index))
+    ):
+        raise ValueError(f"not a sub-task id: {value!r}")
+    return task_id, int(pause), int(index)
+
+
+def event_id(stream_id: str, causation_key: str, index: int) -> uuid.UUID:
+    """The id of the ``index``-th event appended for ``causation_key`` (what caused it).
+
+    The same cause gives the same ids, so appending a re-run's events again is recognised.
+    """
+    return uuid.uuid5(_EVENT_NAMESPACE, f"{stream_id}\x1f{causation_key}\x1f{index}")
+
+
+# ---- state ---------------------------------------------------------------------------------------
+
+
+def apply_delta(state: Mapping[str, Any], delta: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with ``delta`` applied: values replace keys, ``None`` deletes them."""
+    merged = dict(state)
+    for key, value in delta.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _minimal_delta(state: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    for key, value in update.items():
+        if not isinstance(key, str):
+            raise InvalidTransition(f"state keys must be strings, not {key!r}")
+        if value is None:
+            if key in state:
+                delta[key] = None
+        else:
+            encoded = _encoded(value)  # refuses NaN, infinity and what is not JSON
+            if key not in state or _encoded(state[key]) != encoded:
+                # compared as JSON, not with ==: 1 == 1.0 == True, yet the state must keep what
+                # the handler returned, byte for byte
+                delta[key] = value
+    return delta
+
+
+def _encoded(value: Any) -> bytes:
+    try:
+        return canonical(value)
+    except (TypeError, ValueError) as error:
+        raise InvalidTransition(f"state values must be JSON, not {value!r}: {error}") from error
+
+
+@dataclass(frozen=True)
+class TaskState:
+    """What the log says about one task."""
+
+    task_id: str
+    version: int = 0
+    last_hash: bytes = bytes(32)
+    status: Status = "new"
+    agent: str | None = None
+    input: Any = None
+    reply_to: str | None = None
+    correlation_id: str | None = None
+    pause: int = 0
+    """The number of the latest pause (0 before the first)."""
+    state: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    calls: tuple[PendingCall, ...] = ()
+    """The calls of the latest pause, in call order."""
+    claims: Mapping[str, str | None] = field(default_factory=lambda: MappingProxyType({}))
+    """Every claimed sub-task of every pause, with the id of the reply message that claimed it."""
+    results: Mapping[str, CallResult] = field(default_factory=lambda: MappingProxyType({}))
+    known_calls: frozenset[str] = frozenset()
+    result: Any = None
+    error: Any = None
+    trace_id: str | None = None
+    root_id: str | None = None
+    """The root task of the call tree this task belongs to."""
+
+    @property
+    def exists(self) -> bool:
+        return self.version > 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ("completed", "failed", "cancelled")
+
+    @property
+    def outstanding(self) -> tuple[PendingCall, ...]:
+        """Calls of the latest pause that have no claim yet."""
+        return tuple(call for call in self.calls if call.subtask_id not in self.claims)
+
+    def results_of_pause(self) -> list[CallResult]:
+        """The latest pause's results, in call order (complete once the task has resumed)."""
+        return [self.results[c.subtask_id] for c in self.calls if c.subtask_id in self.results]
+
+
+def fold(task_id: str, events: Iterable[RecordedEvent]) -> TaskState:
+    """Fold a task's recorded events, in stream order, into its state."""
+    version = 0
+    last_hash = bytes(32)
+    status: Status = "new"
+    started: TaskStarted | None = None
+    started_metadata: Mapping[str, Any] = {}
+    pause = 0
+    state: dict[str, Any] = {}
+    calls: tuple[PendingCall, ...] = ()
+    agents: dict[str, str] = {}
+    claims: dict[str, str | None] = {}
+    results: dict[str, CallResult] = {}
+    result: Any = None
+    error: Any = None
+    for recorded in events:
+        version = recorded.stream_version
+        last_hash = recorded.hash
+        event = parse(recorded)
+        if isinstance(event, TaskStarted):
+            started, started_metadata = event, recorded.metadata
+        elif isinstance(event, TaskPaused):
+            status, pause, calls = "paused", event.pause, event.calls
+            state = apply_delta(state, event.state_delta)
+            agents.update((c.subtask_id, c.agent) for c in event.calls)
+        elif isinstance(event, SubtaskClaimed):
+            claims[event.subtask_id] = event.message_id
+        elif isinstance(event, ResultRecorded):
+            results[event.subtask_id] = CallResult(
+                subtask_id=event.subtask_id,
+                agent=agents.get(event.subtask_id, ""),
+                outcome=event.outcome,
+                value=event.value,
+                error=event.error,
+            )
+        elif isinstance(event, TaskResumed):
+            status = "resumed"
+        elif isinstance(event, TaskCompleted):
+            status, result = "completed", event.result
+        elif isinstance(event, TaskFailed):
+            status, error = "failed", event.error
+        elif isinstance(event, TaskCancelled):
+            status, error = "cancelled", {"type": "cancelled", "message": event.reason}
+        elif isinstance(event, DeadlineExtended):
+            calls = tuple(
+                call.model_copy(update={"deadline_at": event.deadline_at})
+                if call.subtask_id == event.subtask_id
+                else call
+                for call in calls
+            )
+    return TaskState(
+        task_id=task_id,
+        version=version,
+        last_hash=last_hash,
+        status=status,
+        agent=started.agent if started else None,
+        input=started.input if started else None,
+        reply_to=started.reply_to if started else None,
+        correlation_id=started.correlation_id if started else None,
+        pause=pause,
+        state=MappingProxyType(state),
+        calls=calls,
+        claims=MappingProxyType(claims),
+        results=MappingProxyType(results),
+        known_calls=frozenset(agents),
+        result=result,
+        error=error,
+        trace_id=started_metadata.get("trace_id"),
+        root_id=started_metadata.get("correlation_id"),
+    )
+
+
+# ---- decisions -----------------------------------------------------------------------------------
+
+
+def decide_outcome(
+    state: TaskState,
+    outcome: Outcome,
+    *,
+    now: float,
+    default_timeout: float,
+    start: TaskStarted | None = None,
+    record_completion: bool = False,
+    max_timeout: float | None = None,
+) -> list[DomainEvent]:
+    """The events that record a handler's outcome.
+
+    For a new task ``start`` describes it; a completion of a new task writes nothing unless
+    ``record_completion`` (auditing of all tasks) is on. A resumed task records its next pause or
+    its completion. Deadlines are measured from ``now``, the moment of dispatch.
+    """
+    if state.status == "new":
+        if start is None:
+            raise InvalidTransition("a new task needs its TaskStarted")
+        if isinstance(outcome, Complete):
+            return [start, TaskCompleted(result=outcome.result)] if record_completion else []
+        return [
+            start,
+            _pause(
+                state, outcome, now=now, default_timeout=default_timeout, max_timeout=max_timeout
+            ),
+        ]
+    if state.status != "resumed":
+        raise InvalidTransition(f"task {state.task_id} is {state.status}, not running")
+    if isinstance(outcome, Complete):
+        return [TaskCompleted(result=outcome.result)]
+    return [
+        _pause(state, outcome, now=now, default_timeout=default_timeout, max_timeout=max_timeout)
+    ]
+
+
+def _pause(
+    state: TaskState,
+    outcome: Pause,
+    *,
+    now: float,
+    default_timeout: float,
+    max_timeout: float | None = None,
+) -> TaskPaused:
+    if not outcome.calls:
+        raise InvalidTransition("a pause needs at least one call")
+    number = state.pause + 1
+    calls = []
+    for index, call in enumerate(outcome.calls):
+        if not isinstance(call, Call) or not call.agent:
+            raise InvalidTransition(f"call {index} is not a Call with an agent name: {call!r}")
+        timeout = call.timeout if call.timeout is not None else default_timeout
+        if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+            raise InvalidTransition(
+                f"call {index} has a timeout of {timeout!r}s; it must be a positive number"
+            )
+        calls.append(
+            PendingCall(
+                subtask_id=subtask_id(state.task_id, number, index),
+                agent=call.agent,
+                input=call.input,
+                deadline_at=now + (min(timeout, max_timeout) if max_timeout else timeout),
+                dispatched_at=now,
+            )
+        )
+    return TaskPaused(
+        pause=number,
+        state_delta=_minimal_delta(state.state, outcome.update),
+        calls=tuple(calls),
+    )
+
+
+def decide_reply(
+    state: TaskState,
+    subtask: str,
+    *,
+    outcome: Literal["ok", "error", "timeout"],
+    value: Any = None,
+    error: Any = None,
+    message_id: str | None = None,
+) -> list[DomainEvent]:
+    """The events that record a reply for ``subtask``.
+
+    The first reply for an outstanding call claims it and records its result, and the reply that
+    completes the pause also resumes the task. Anything else changes nothing and is kept for audit
+    only: a duplicate, a late reply (after the task finished, or after its call's deadline claimed
+    it), a reply for a call the task never made. The redelivery of the very message that made a
+    claim returns no events at all.
+    """
+    if subtask in state.claims:
+        if message_id is not None and state.claims[subtask] == message_id:
+            return []
+        recorded = state.results.get(subtask)
+        if state.claims[subtask] is None and recorded is not None and recorded.outcome == "timeout":
+            # the call's deadline claimed it: this is its first reply, arriving too late
+            return [_ignored(subtask, "late", message_id, outcome)]
+        return [_ignored(subtask, "duplicate", message_id, outcome)]
+    if state.finished:
+        return [_ignored(subtask, "late", message_id, outcome)]
+    current = {call.subtask_id for call in state.calls}
+    if state.status != "paused" or subtask not in current:
+        return [_ignored(subtask, "unknown-call", message_id, outcome)]
+    events: list[DomainEvent] = [
+        SubtaskClaimed(subtask_id=subtask, pause=state.pause, message_id=message_id),
+        ResultRecorded(
+            subtask_id=subtask, pause=state.pause, outcome=outcome, value=value, error=error
+        ),
+    ]
+    if len(state.outstanding) == 1:
+        events.append(TaskResumed(pause=state.pause))
+    return events
+
+
+def _ignored(
+    subtask: str,
+    reason: Literal["duplicate", "late", "unknown-call"],
+    message_id: str | None,
+    outcome: str,
+) -> ReplyIgnored:
+    return ReplyIgnored(subtask_id=subtask, reason=reason, message_id=message_id, outcome=outcome)
+
+
+def decide_timeout(state: TaskState, subtask: str, *, now: float) -> list[DomainEvent]:
+    """The events that record that ``subtask``'s deadline passed without a reply (G6).
+
+    A timeout claims the call like a reply does, so whichever of the two is appended first wins
+    and the other changes nothing. A call already claimed, a task already finished, or a call
+    whose deadline (perhaps just extended) is still ahead of ``now`` gives [].
+    """
+    if subtask in state.claims or state.finished or state.status != "paused":
+        return []
+    call = next((c for c in state.calls if c.subtask_id == subtask), None)
+    if call is None or call.deadline_at > now:
+        return []
+    events: list[DomainEvent] = [
+        SubtaskClaimed(subtask_id=subtask, pause=state.pause),
+        ResultRecorded(
+            subtask_id=subtask,
+            pause=state.pause,
+            outcome="timeout",
+            error={"type": "timeout", "message": "no reply before the call's deadline"},
+        ),
+    ]
+    if len(state.outstanding) == 1:
+        events.append(TaskResumed(pause=state.pause))
+    return events
+
+
+def decide_extension(
+    state: TaskState, subtask: str, *, extend_by: float, now: float, max_duration: float
+) -> list[DomainEvent]:
+    """Move an outstanding call's deadline to ``now + extend_by``, never past its dispatch time
+    plus ``max_duration``, and never earlier than it already is. Anything else gives []."""
+    if state.status != "paused" or subtask in state.claims or extend_by <= 0:
+        return []
+    call = next((c for c in state.calls if c.subtask_id == subtask), None)
+    if call is None:
+        return []
+    dispatched = call.dispatched_at if call.dispatched_at is not None else now
+    deadline = min(now + extend_by, dispatched + max_duration)
+    if deadline <= call.deadline_at:
+        return []
+    return [DeadlineExtended(subtask_id=subtask, pause=state.pause, deadline_at=deadline)]
+
+
+def decide_cancel(state: TaskState, reason: str | None = None) -> list[DomainEvent]:
+    """Cancel the task (G7): every call it still waits for is named so each gets a cancel.
+
+    A finished task cannot be cancelled ([]). A task with no stream yet gets one holding only
+    the cancellation, so its first run, if it is still going, finds the stream taken.
+    """
+    if state.finished:
+        return []
+    pending = tuple(
+        CancelledCall(subtask_id=c.subtask_id, agent=c.agent) for c in state.outstanding
+    )
+    return [TaskCancelled(reason=reason, pending=pending if state.status == "paused" else ())]
+
+
+def decide_failure(
+    state: TaskState, error: Any, *, start: TaskStarted | None = None
+) -> list[DomainEvent]:
+    """Record that the handler failed for good. A new task needs its ``start``."""
+    if state.finished:
+        return []
+    if state.status == "new":
+        if start is None:
+            raise InvalidTransition("a new task needs its TaskStarted")
+        return [start, TaskFailed(error=error)]
+    return [TaskFailed(error=error)]

@@ -1,0 +1,326 @@
+"""Audit of the event log: verify a stream, and read it as a timeline. Pure functions, no I/O.
+
+``verify_stream`` checks one task's stream as the log holds it: contiguous versions from 1, the
+hash chain (each ``prev_hash`` links to the event before, each ``hash`` matches the content), and
+the invariants of the task's state machine (DESIGN.md §6): a sub-task is claimed at most once
+(G2), a pause is resumed at most once and only after every one of its calls has a result (G3),
+every result follows its claim, and nothing but audit-only events follows a terminal event.
+
+``timeline`` turns the stream into one readable entry per event, with how long each pause lasted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from events.codec import GENESIS_HASH, canonical, chain_hash
+from events.model import (
+    DeadlineExtended,
+    DomainEvent,
+    RecordedEvent,
+    ReplyIgnored,
+    ResultRecorded,
+    SubtaskClaimed,
+    TaskCancelled,
+    TaskCompleted,
+    TaskFailed,
+    TaskPaused,
+    TaskResumed,
+    TaskStarted,
+    UnknownEvent,
+    parse,
+)
+
+__all__ = [
+    "PauseSpan",
+    "Problem",
+    "TimelineEntry",
+    "pauses",
+    "timeline",
+    "verify_stream",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One thing wrong with a stream, at the event where it shows."""
+
+    stream_id: str
+    stream_version: int
+    kind: str
+    """``version-gap``, ``broken-link``, ``hash-mismatch``, ``unreadable``, ``double-claim``,
+    ``double-result``, ``result-without-claim``, ``double-resume``, ``early-resume``,
+    ``after-terminal`` or ``foreign-event``."""
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.stream_id} v{self.stream_version}: {self.kind}: {self.message}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stream_id": self.stream_id,
+            "stream_version": self.stream_version,
+            "kind": self.kind,
+            "message": self.message,
+        }
+
+
+def _parsed(event: RecordedEvent) -> DomainEvent | None:
+    try:
+        return parse(event)
+    except Exception:  # tampered or malformed data: reported as unreadable
+        return None
+
+
+def verify_stream(events: Sequence[RecordedEvent]) -> list[Problem]:
+    """Everything wrong with one stream's events (in version order); empty when it verifies."""
+    problems: list[Problem] = []
+    if not events:
+        return problems
+    stream_id = events[0].stream_id
+    expected_version = 1
+    previous_hash = GENESIS_HASH
+    calls_of_pause: dict[int, tuple[str, ...]] = {}
+    claimed: set[str] = set()
+    results: set[str] = set()
+    resumed: set[int] = set()
+    terminal: RecordedEvent | None = None
+
+    for event in events:
+        version = event.stream_version
+
+        def problem(kind: str, message: str, version: int = version) -> None:
+            problems.append(Problem(stream_id, version, kind, message))
+
+        if event.stream_id != stream_id:
+            problem("foreign-event", f"event of stream {event.stream_id!r} in {stream_id!r}")
+        if version != expected_version:
+            problem("version-gap", f"expected version {expected_version}, found {version}")
+        expected_version = version + 1
+        if event.prev_hash != previous_hash:
+            problem(
+                "broken-link",
+                f"prev_hash {event.prev_hash.hex()[:16]}… does not link to the previous event's "
+                f"hash {previous_hash.hex()[:16]}…",
+            )
+        try:
+            computed = chain_hash(event.prev_hash, event.hash_body())
+        except (TypeError, ValueError) as error:
+            problem("hash-mismatch", f"{event.event_type} cannot be hashed: {error}")
+        else:
+            if computed != event.hash:
+                problem(
+                    "hash-mismatch",
+                    f"{event.event_type}: stored hash {event.hash.hex()[:16]}… does not match "
+                    f"its content (computed {computed.hex()[:16]}…)",
+                )
+        previous_hash = event.hash
+
+        parsed = _parsed(event)
+        if parsed is None:
+            problem("unreadable", f"{event.event_type} data does not parse: {event.data!r}")
+            continue
+        if terminal is not None and not type(parsed).audit_only:
+            problem(
+                "after-terminal",
+                f"{event.event_type} after the terminal {terminal.event_type} "
+                f"at v{terminal.stream_version}",
+            )
+        if type(parsed).terminal and terminal is None:
+            terminal = event
+
+        if isinstance(parsed, TaskPaused):
+            calls_of_pause[parsed.pause] = tuple(c.subtask_id for c in parsed.calls)
+        elif isinstance(parsed, SubtaskClaimed):
+            if parsed.subtask_id in claimed:
+                problem("double-claim", f"{parsed.subtask_id} claimed a second time")
+            claimed.add(parsed.subtask_id)
+        elif isinstance(parsed, ResultRecorded):
+            if parsed.subtask_id not in claimed:
+                problem(
+                    "result-without-claim",
+                    f"result for {parsed.subtask_id} with no SubtaskClaimed before it",
+                )
+            if parsed.subtask_id in results:
+                problem("double-result", f"a second result for {parsed.subtask_id}")
+            results.add(parsed.subtask_id)
+        elif isinstance(parsed, TaskResumed):
+            if parsed.pause in resumed:
+                problem("double-resume", f"pause #{parsed.pause} resumed a second time")
+            resumed.add(parsed.pause)
+            if parsed.pause not in calls_of_pause:
+                problem("early-resume", f"resumed pause #{parsed.pause}, which never paused")
+            else:
+                missing = [s for s in calls_of_pause[parsed.pause] if s not in results]
+                if missing:
+                    problem(
+                        "early-resume",
+                        f"resumed pause #{parsed.pause} before the results of {', '.join(missing)}",
+                    )
+    return problems
+
+
+# ---- timeline ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PauseSpan:
+    """One pause of a task: when it paused, when it resumed (None while it still waits)."""
+
+    pause: int
+    paused_version: int
+    paused_at: datetime | None
+    resumed_version: int | None = None
+    resumed_at: datetime | None = None
+
+    @property
+    def seconds(self) -> float | None:
+        if self.paused_at is None or self.resumed_at is None:
+            return None
+        return (self.resumed_at - self.paused_at).total_seconds()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pause": self.pause,
+            "paused_version": self.paused_version,
+            "paused_at": _iso(self.paused_at),
+            "resumed_version": self.resumed_version,
+            "resumed_at": _iso(self.resumed_at),
+            "seconds": self.seconds,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineEntry:
+    """One event of a task's history, for people."""
+
+    version: int
+    recorded_at: datetime | None
+    event_type: str
+    actor: str | None
+    """The worker that wrote the event (its metadata's ``worker_id``)."""
+    summary: str
+    pause_seconds: float | None = None
+    """On a ``TaskPaused`` and its ``TaskResumed``: how long that pause lasted."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "recorded_at": _iso(self.recorded_at),
+            "event_type": self.event_type,
+            "actor": self.actor,
+            "summary": self.summary,
+            "pause_seconds": self.pause_seconds,
+        }
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return moment.isoformat() if moment is not None else None
+
+
+def pauses(events: Sequence[RecordedEvent]) -> list[PauseSpan]:
+    """Every pause of the stream with its resume, in pause order."""
+    spans: dict[int, PauseSpan] = {}
+    for event in events:
+        parsed = _parsed(event)
+        if isinstance(parsed, TaskPaused) and parsed.pause not in spans:
+            spans[parsed.pause] = PauseSpan(parsed.pause, event.stream_version, event.recorded_at)
+        elif isinstance(parsed, TaskResumed):
+            span = spans.get(parsed.pause)
+            if span is not None and span.resumed_version is None:
+                spans[parsed.pause] = PauseSpan(
+                    span.pause,
+                    span.paused_version,
+                    span.paused_at,
+                    event.stream_version,
+                    event.recorded_at,
+                )
+    return [spans[number] for number in sorted(spans)]
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    try:
+        text = canonical(value).decode()
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3f}".rstrip("0").rstrip(".") if value < 10 else f"{value:.0f}"
+
+
+def _agents(paused: TaskPaused) -> str:
+    counts = Counter(call.agent for call in paused.calls)
+    return ", ".join(f"{agent} ×{n}" if n > 1 else agent for agent, n in counts.items())
+
+
+def _summary(event: RecordedEvent, parsed: DomainEvent | None, span: PauseSpan | None) -> str:
+    if parsed is None:
+        return f"unreadable {event.event_type} event"
+    if isinstance(parsed, TaskStarted):
+        return f"started {parsed.agent} with input {_short(parsed.input)}"
+    if isinstance(parsed, TaskPaused):
+        timeouts = [
+            c.deadline_at - c.dispatched_at for c in parsed.calls if c.dispatched_at is not None
+        ]
+        deadline = f" (deadline in {_seconds(max(timeouts))} s)" if timeouts else ""
+        return f"paused #{parsed.pause} calling {_agents(parsed)}{deadline}"
+    if isinstance(parsed, SubtaskClaimed):
+        how = "" if parsed.message_id is not None else " (no reply message: its deadline passed)"
+        return f"claimed {parsed.subtask_id}{how}"
+    if isinstance(parsed, ResultRecorded):
+        return f"result {parsed.outcome} for {parsed.subtask_id}"
+    if isinstance(parsed, TaskResumed):
+        seconds = span.seconds if span is not None else None
+        after = f" after {seconds:.3f} s" if seconds is not None else ""
+        return f"resumed from pause #{parsed.pause}{after}"
+    if isinstance(parsed, TaskCompleted):
+        return "completed"
+    if isinstance(parsed, TaskFailed):
+        return f"failed: {_short(parsed.error)}"
+    if isinstance(parsed, TaskCancelled):
+        reason = f": {parsed.reason}" if parsed.reason else ""
+        pending = f" ({len(parsed.pending)} call(s) still pending)" if parsed.pending else ""
+        return f"cancelled{reason}{pending}"
+    if isinstance(parsed, DeadlineExtended):
+        moment = datetime.fromtimestamp(parsed.deadline_at).astimezone().isoformat()
+        return f"deadline of {parsed.subtask_id} extended to {moment}"
+    if isinstance(parsed, ReplyIgnored):
+        outcome = f" {parsed.outcome}" if parsed.outcome else ""
+        return f"ignored {parsed.reason}{outcome} reply for {parsed.subtask_id}"
+    if isinstance(parsed, UnknownEvent):
+        return f"event of unknown type {parsed.type_name}"
+    return event.event_type
+
+
+def timeline(events: Sequence[RecordedEvent]) -> list[TimelineEntry]:
+    """One readable entry per event of a task's stream, in stream order."""
+    spans = {span.pause: span for span in pauses(events)}
+    entries = []
+    for event in events:
+        parsed = _parsed(event)
+        span: PauseSpan | None = None
+        if isinstance(parsed, TaskPaused | TaskResumed):
+            span = spans.get(parsed.pause)
+            if span is not None and event.stream_version not in (
+                span.paused_version,
+                span.resumed_version,
+            ):
+                span = None  # a second pause or resume of the same number (verify reports it)
+        actor = event.metadata.get("worker_id")
+        entries.append(
+            TimelineEntry(
+                version=event.stream_version,
+                recorded_at=event.recorded_at,
+                event_type=event.event_type,
+                actor=actor if isinstance(actor, str) else None,
+                summary=_summary(event, parsed, span),
+                pause_seconds=span.seconds if span is not None else None,
+            )
+        )
+    return entries

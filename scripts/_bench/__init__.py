@@ -1,0 +1,489 @@
+"""Helpers shared by scripts/bench.py and scripts/demo.py (not part of the library).
+
+Worker subprocesses of an app, the broker names of one prefix (waiting for consumers, deleting
+queues), CPU time from /proc, database activity counters, and percentiles. Standard library and
+the project's own dependencies only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from workers.wire import Names
+
+ROOT = Path(__file__).resolve().parents[2]
+
+__all__ = [
+    "ROOT",
+    "WorkerProcess",
+    "broker_counters",
+    "database_counters",
+    "delete_topology",
+    "log_problems",
+    "percentile",
+    "process_cpu_seconds",
+    "queue_depths",
+    "rabbitmq_pid",
+    "run_guarded",
+    "server_versions",
+    "system_busy_seconds",
+    "wait_for_backends_gone",
+    "wait_for_consumers",
+    "with_database",
+]
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def with_database(url: str, name: str) -> str:
+    """``url`` naming database ``name`` instead (password kept)."""
+    return make_url(url).set(database=name).render_as_string(hide_password=False)
+
+
+# ---- worker subprocesses ---------------------------------------------------------------------
+
+
+class WorkerProcess:
+    """``python -m workers.cli worker --app APP`` with WAYSTATION_* settings, its log to a file."""
+
+    def __init__(
+        self, name: str, env: dict[str, str], log_path: Path, app: str = "workers.example:app"
+    ) -> None:
+        self.name = name
+        self.env = env
+        self.log_path = log_path
+        self.app = app
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
+
+    def start(self) -> WorkerProcess:
+        environment = dict(os.environ)
+        environment.update(self.env)
+        environment["PYTHONPATH"] = os.pathsep.join(
+            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        )
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "workers.cli", "worker", "--app", self.app],
+            env=environment,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.alive():
+            assert self.process is not None
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+        self._close_log()
+
+    def terminate(self) -> None:
+        if self.alive():
+            assert self.process is not None
+            self.process.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> int | None:
+        """Wait for the exit (SIGKILL after ``timeout``); the exit code."""
+        if self.process is None:
+            return None
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait(10)
+        finally:
+            self._close_log()
+
+    def stop(self, timeout: float = 30) -> int | None:
+        self.terminate()
+        return self.wait(timeout)
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def stop_all(workers: Iterable[WorkerProcess], timeout: float = 30) -> dict[str, int | None]:
+    """SIGTERM every worker at once, then wait for each; their exit codes by name."""
+    workers = list(workers)
+    for worker in workers:
+        worker.terminate()
+    deadline = time.monotonic() + timeout
+    return {w.name: w.wait(max(0.1, deadline - time.monotonic())) for w in workers}
+
+
+# ---- broker --------------------------------------------------------------------------------
+
+
+async def _consumer_count(connection: aio_pika.abc.AbstractConnection, queue: str) -> int:
+    channel = await connection.channel()
+    try:
+        declared = await channel.declare_queue(queue, passive=True)
+        return int(declared.declaration_result.consumer_count or 0)
+    except aio_pika.exceptions.ChannelClosed:
+        return 0
+    finally:
+        with contextlib.suppress(Exception):
+            await channel.close()
+
+
+async def wait_for_consumers(
+    amqp_url: str,
+    queues: Sequence[str],
+    count: int,
+    within: float = 60,
+    alive: Any = None,
+) -> None:
+    """Wait until every queue has ``count`` consumers (the workers finished starting)."""
+    connection = await aio_pika.connect(amqp_url)
+    try:
+        deadline = time.monotonic() + within
+        while True:
+            counts = [await _consumer_count(connection, queue) for queue in queues]
+            if min(counts) >= count:
+                return
+            if alive is not None and not alive():
+                raise RuntimeError("a worker exited while starting (see its log)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"consumers on {list(queues)}: {counts}, wanted {count} each")
+            await asyncio.sleep(0.1)
+    finally:
+        await connection.close()
+
+
+async def queue_depths(amqp_url: str, queues: Sequence[str]) -> dict[str, int]:
+    """Messages ready in each queue that exists."""
+    depths: dict[str, int] = {}
+    connection = await aio_pika.connect(amqp_url)
+    try:
+        for queue in queues:
+            channel = await connection.channel()
+            try:
+                declared = await channel.declare_queue(queue, passive=True)
+                depths[queue] = int(declared.declaration_result.message_count or 0)
+            except aio_pika.exceptions.ChannelClosed:
+                pass
+            finally:
+                with contextlib.suppress(Exception):
+                    await channel.close()
+    finally:
+        await connection.close()
+    return depths
+
+
+def topology_queues(names: Names, agents: Iterable[str]) -> list[str]:
+    queues = []
+    for agent in agents:
+        queues += [names.tasks(agent), names.replies(agent)]
+    return [*queues, names.dead_letter_queue]
+
+
+async def delete_topology(amqp_url: str, prefix: str, agents: Iterable[str]) -> None:
+    """Delete every queue and the exchange that workers declare under ``prefix``."""
+    names = Names(prefix)
+    connection = await aio_pika.connect(amqp_url)
+    try:
+        channel = await connection.channel()
+        for queue in topology_queues(names, agents):
+            await channel.queue_delete(queue)
+        await channel.exchange_delete(names.dead_letter_exchange)
+    finally:
+        await connection.close()
+
+
+_COUNTERS_EXPR = (
+    "M = rabbit_global_counters:overview(), "
+    "P = maps:get([{protocol,amqp091}], M), "
+    "Q = maps:get([{protocol,amqp091},{queue_type,rabbit_quorum_queue}], M), "
+    "C = maps:get([{protocol,amqp091},{queue_type,rabbit_classic_queue}], M), "
+    "[maps:get(messages_routed_total, P), maps:get(messages_delivered_total, Q), "
+    "maps:get(messages_delivered_total, C), maps:get(messages_redelivered_total, Q)]."
+)
+
+
+def broker_counters() -> dict[str, int] | None:
+    """RabbitMQ's global message counters (whole broker), or None when rabbitmqctl can't tell."""
+    if shutil.which("rabbitmqctl") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["rabbitmqctl", "eval", _COUNTERS_EXPR], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"\[(\d+),(\d+),(\d+),(\d+)\]", out.stdout.replace(" ", "").replace("\n", ""))
+    if out.returncode != 0 or not found:
+        return None
+    routed, quorum, classic, redelivered = (int(g) for g in found.groups())
+    return {"routed": routed, "delivered": quorum + classic, "redelivered": redelivered}
+
+
+# ---- database ------------------------------------------------------------------------------
+
+
+async def database_counters(admin_url: str, database: str) -> dict[str, int]:
+    """pg_stat_database counters of ``database``, read from the ``postgres`` database."""
+    engine = create_async_engine(with_database(admin_url, "postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        async with engine.connect() as connection:
+            row = (
+                await connection.execute(
+                    text(
+                        "SELECT xact_commit, xact_rollback, sessions FROM pg_stat_database "
+                        "WHERE datname = :d"
+                    ),
+                    {"d": database},
+                )
+            ).one_or_none()
+    finally:
+        await engine.dispose()
+    if row is None:
+        return {"xact_commit": 0, "xact_rollback": 0, "sessions": 0}
+    return {"xact_commit": int(row[0]), "xact_rollback": int(row[1]), "sessions": int(row[2])}
+
+
+async def wait_for_backends_gone(
+    admin_url: str,
+    database: str,
+    within: float = 10,
+) -> None:
+    """Wait until no backend is connected to ``database`` (each flushes its stats on exit)."""
+    engine = create_async_engine(with_database(admin_url, "postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        deadline = time.monotonic() + within
+        async with engine.connect() as connection:
+            while time.monotonic() < deadline:
+                count = await connection.scalar(
+                    text("SELECT count(*) FROM pg_stat_activity WHERE datname = :d"),
+                    {"d": database},
+                )
+                if not count:
+                    break
+                await asyncio.sleep(0.1)
+    finally:
+        await engine.dispose()
+    await asyncio.sleep(0.3)  # the last exiting backend's stats reach shared memory
+
+
+async def server_versions(admin_url: str, amqp_url: str) -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"postgresql": None, "rabbitmq": None}
+    with contextlib.suppress(Exception):
+        engine = create_async_engine(with_database(admin_url, "postgres"))
+        try:
+            async with engine.connect() as connection:
+                versions["postgresql"] = str(await connection.scalar(text("SHOW server_version")))
+        finally:
+            await engine.dispose()
+    with contextlib.suppress(Exception):
+        broker = await aio_pika.connect(amqp_url)
+        try:
+            properties: Any = broker.transport.connection.server_properties  # type: ignore[union-attr]
+            version = properties.get("version")
+            versions["rabbitmq"] = version.decode() if isinstance(version, bytes) else str(version)
+        finally:
+            await broker.close()
+    return versions
+
+
+# ---- CPU -----------------------------------------------------------------------------------
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a process (all its threads) in seconds, from /proc/<pid>/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # after "pid (comm)": state is field 3, utime field 14, stime field 15
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def rabbitmq_pid() -> int | None:
+    """The broker's beam.smp (the oldest one: rabbitmqctl runs short-lived ones too)."""
+    best: tuple[int, int] | None = None
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/comm") as comm:
+                if comm.read().strip() != "beam.smp":
+                    continue
+            with open(f"/proc/{entry}/stat") as stat:
+                start = int(stat.read().rsplit(")", 1)[1].split()[19])
+        except (OSError, ValueError, IndexError):
+            continue
+        if best is None or start < best[0]:
+            best = (start, int(entry))
+    return best[1] if best else None
+
+
+def system_busy_seconds() -> float:
+    """CPU seconds spent not idle by the whole machine (all cores), from /proc/stat."""
+    with open("/proc/stat") as stat:
+        values = [int(v) for v in stat.readline().split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    busy = sum(values[:8]) - idle  # user nice system idle iowait irq softirq steal
+    return busy / CLOCK_TICKS
+
+
+# ---- statistics and logs -------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100), linear between closest ranks (numpy's default)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+_PROBLEM = re.compile(rb" (WARNING|ERROR|CRITICAL) |Traceback \(most recent call last\)")
+
+
+def log_problems(paths: Iterable[Path], keep: int = 5) -> tuple[int, list[str]]:
+    """How many WARNING/ERROR lines and tracebacks the logs hold, and the first few."""
+    count, first = 0, list[str]()
+    for path in paths:
+        with contextlib.suppress(OSError), open(path, "rb") as log:
+            for line in log:
+                if _PROBLEM.search(line):
+                    count += 1
+                    if len(first) < keep:
+                        first.append(f"{path.name}: {line.decode(errors='replace').rstrip()[:300]}")
+    return count, first
+
+
+# ---- running with a guaranteed cleanup ---------------------------------------------------------
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def run_guarded(
+    work: Callable[[], Awaitable[Any]],
+    cleanup: Callable[[], Awaitable[None]],
+    on_interrupt: Callable[[], None],
+    *,
+    name: str,
+    give_up_after: float = 20.0,
+) -> tuple[Any, BaseException | None, bool]:
+    """Run ``work()`` then, whatever happened, ``cleanup()``; (result, error, interrupted).
+
+    SIGINT and SIGTERM call ``on_interrupt`` (stop the workers now) and cancel the work, again
+    every 2 seconds while it is still running, and stop waiting for it after ``give_up_after``
+    seconds; the cleanup then runs regardless (a signal during the cleanup only says so). On
+    uvloop when it is installed, like the workers.
+    """
+    loop = _new_loop()
+    asyncio.set_event_loop(loop)
+    state = {"interrupted_at": 0.0, "cleaning": False}
+    task: asyncio.Task[Any] = loop.create_task(work())  # type: ignore[arg-type]
+
+    def on_signal() -> None:
+        if state["cleaning"]:
+            print(f"{name}: cleaning up, please wait", file=sys.stderr, flush=True)
+            return
+        if not state["interrupted_at"]:
+            state["interrupted_at"] = time.monotonic()
+            print(
+                f"\n{name}: interrupted; stopping the workers and cleaning up",
+                file=sys.stderr,
+                flush=True,
+            )
+            with contextlib.suppress(Exception):
+                on_interrupt()
+        task.cancel()
+
+    async def supervise() -> None:
+        last_cancel = 0.0
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            started = state["interrupted_at"]
+            if started and not task.done():
+                now = time.monotonic()
+                if now - started > give_up_after:
+                    print(
+                        f"{name}: the run did not stop within {give_up_after:.0f}s; "
+                        "cleaning up anyway",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    return
+                if now - last_cancel > 2:
+                    task.cancel()
+                    last_cancel = now
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal)
+    result: Any = None
+    error: BaseException | None = None
+    try:
+        loop.run_until_complete(supervise())
+        if task.done():
+            if task.cancelled():
+                error = asyncio.CancelledError()
+            else:
+                error = task.exception()
+                result = None if error else task.result()
+        else:
+            error = TimeoutError("the run did not stop")
+        state["cleaning"] = True
+        try:
+            loop.run_until_complete(asyncio.wait_for(cleanup(), 120))
+        except Exception as cleanup_error:
+            print(
+                f"{name}: cleanup failed: {type(cleanup_error).__name__}: {cleanup_error}",
+                file=sys.stderr,
+            )
+            error = error or cleanup_error
+        # whatever is still pending (a stuck task of the run): cancel it, briefly
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for stray in pending:
+            stray.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending, timeout=3))
+        with contextlib.suppress(Exception):
+            loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+        asyncio.set_event_loop(None)
+        loop.close()
+    return result, error, bool(state["interrupted_at"])

@@ -1,0 +1,84 @@
+"""Fixtures: real PostgreSQL and RabbitMQ, one database per test run, one queue prefix per test."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import pytest_asyncio
+
+import migrations
+from events.postgres import PostgresEventStore
+from workers.settings import Settings
+
+from .support import (
+    Services,
+    delete_topology,
+    fresh_database_url,
+    fresh_prefix,
+    reachable,
+    started_services,
+)
+
+EXAMPLE_AGENTS = ("orchestrator", "researcher")
+
+
+@pytest.fixture(scope="session")
+def services() -> Iterator[Services]:
+    with started_services() as found:
+        missing = [
+            name
+            for name, url, port in (
+                ("PostgreSQL", found.admin_database_url, 5432),
+                ("RabbitMQ", found.amqp_url, 5672),
+            )
+            if not reachable(url, port)
+        ]
+        if missing:
+            message = (
+                f"{' and '.join(missing)} not reachable; integration tests need the real services"
+            )
+            if os.environ.get("CI"):
+                pytest.fail(message)
+            pytest.skip(message)
+        yield found
+
+
+@pytest_asyncio.fixture(scope="session")
+async def database_url(services: Services) -> AsyncIterator[str]:
+    """A database of this test run's own, migrated to head, dropped at the end."""
+    url = fresh_database_url(services.admin_database_url)
+    await migrations.upgrade(url)
+    yield url
+    await migrations.drop_database(url)
+
+
+@pytest_asyncio.fixture
+async def store(database_url: str) -> AsyncIterator[PostgresEventStore]:
+    store = PostgresEventStore.from_url(database_url, pool_size=5)
+    yield store
+    await store.close()
+
+
+@pytest_asyncio.fixture
+async def queue_prefix(services: Services) -> AsyncIterator[str]:
+    """A queue prefix of this test's own; its queues and exchanges are deleted afterwards."""
+    prefix = fresh_prefix()
+    yield prefix
+    await delete_topology(services.amqp_url, prefix, EXAMPLE_AGENTS)
+
+
+@pytest.fixture
+def settings(services: Services, database_url: str, queue_prefix: str) -> Settings:
+    """Worker settings for this test: its own queues, short outbox delay, no broker policy."""
+    return Settings(
+        database_url=database_url,
+        amqp_url=services.amqp_url,
+        queue_prefix=queue_prefix,
+        broker_policy="none",
+        outbox_delay=1.0,
+        outbox_poll_interval=0.2,
+        concurrency=16,
+        shutdown_grace=5.0,
+    )

@@ -1,0 +1,117 @@
+"""A worker process SIGKILLed at each step boundary loses nothing and does nothing twice (G1, G4).
+
+Worker A runs with ``WAYSTATION_FAULT_POINT`` and kills itself there (workers/faults.py); worker B
+then starts normally and must finish the task from what A left: the log, unacked messages (which
+the broker redelivers) and outbox rows (which B's relay publishes after ``outbox_delay``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from events.postgres import PostgresEventStore
+from workers.example import expected_total
+from workers.settings import Settings
+from workers.wire import Names
+
+from ..support import (
+    RecordingClient,
+    WorkerProcess,
+    chain_problems,
+    count_rows,
+    eventually,
+    tail,
+    wait_for_consumers,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+K = 3
+EXPECTED = [
+    "TaskStarted",
+    "TaskPaused",
+    *["SubtaskClaimed", "ResultRecorded"] * K,
+    "TaskResumed",
+    "TaskCompleted",
+]
+
+WINDOWS = [
+    # (fault point, on which hit): what A leaves behind
+    ("pause.committed", 1),  # the pause, its requests only as outbox rows, the task unacked
+    ("pause.published", 1),  # the requests published, the task unacked
+    ("reply.committed", 1),  # the first claim committed, its reply unacked
+    ("reply.committed", K),  # the last claim and TaskResumed committed, the resume unpublished
+    ("reply.published", K),  # the resume published, the last reply unacked
+    ("resume.committed", 1),  # TaskCompleted committed, the result unpublished, the resume unacked
+    ("resume.published", 1),  # the result published, the resume unacked
+]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("point", "after"), WINDOWS, ids=[f"{p}-{n}" for p, n in WINDOWS])
+async def test_a_worker_killed_in_a_crash_window_loses_nothing_and_repeats_nothing(
+    point: str, after: int, settings: Settings, store: PostgresEventStore, tmp_path: Path
+) -> None:
+    names = Names(settings.queue_prefix)
+    logs = {"A": tmp_path / "worker-a.log", "B": tmp_path / "worker-b.log"}
+    a = WorkerProcess(
+        settings,
+        env={"WAYSTATION_FAULT_POINT": point, "WAYSTATION_FAULT_AFTER": str(after)},
+        log_path=logs["A"],
+    )
+    b = WorkerProcess(settings, log_path=logs["B"])
+
+    def context() -> str:
+        return "\n".join(f"--- worker {n} log:\n{tail(p)}" for n, p in logs.items())
+
+    n = 6
+    try:
+        async with RecordingClient(settings.amqp_url, queue_prefix=settings.queue_prefix) as client:
+            a.start()
+            await wait_for_consumers(settings.amqp_url, names.tasks("orchestrator"), 1)
+            task_id = await client.submit("orchestrator", {"n": n, "k": K})
+            code = await a.wait_exit(30)
+            assert code == -signal.SIGKILL, f"worker A did not die at {point}: {code}\n{context()}"
+
+            b.start()
+            try:
+                result = await client.result(task_id, timeout=40)
+            except TimeoutError:
+                raise AssertionError(f"no result after a crash at {point}\n{context()}") from None
+            assert result.ok and result.result == {"n": n, "total": expected_total(n, K)}
+
+            async def outbox_empty() -> bool:
+                return await count_rows(store, "outbox", "stream_id = :s", s=task_id) == 0
+
+            await eventually(outbox_empty, 20, f"the outbox rows of {task_id} to be published")
+            # give any republished message (at least once) the time to arrive and be handled
+            await asyncio.sleep(settings.outbox_delay + 0.5)
+            await eventually(outbox_empty, 20, f"the outbox rows of {task_id} to be published")
+
+            events = await store.read_stream(task_id)
+            types = [e.event_type for e in events]
+            audit = Counter(
+                (e.data["reason"], e.data["subtask_id"])
+                for e in events
+                if e.event_type == "ReplyIgnored"
+            )
+            report = (
+                f"crash at {point} (hit {after}): stream {types}, ReplyIgnored {dict(audit)}, "
+                f"result messages {len(client.bodies(task_id))} "
+                f"(client duplicates {client.duplicates})"
+            )
+            print(report)
+            assert [t for t in types if t != "ReplyIgnored"] == EXPECTED, f"{report}\n{context()}"
+            assert all(reason == "duplicate" for reason, _ in audit), report
+            assert chain_problems(events) == [], report
+            assert len(client.distinct_results(task_id)) == 1, report
+            assert b.alive(), f"worker B died\n{context()}"
+    finally:
+        a.kill()
+        a.terminate()
+        b.terminate()

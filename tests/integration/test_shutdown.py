@@ -1,0 +1,230 @@
+"""Graceful shutdown of real worker processes: SIGTERM and SIGINT, busy and idle.
+
+A worker that receives SIGTERM or SIGINT stops consuming, lets the messages it holds reach their
+next commit within ``WAYSTATION_SHUTDOWN_GRACE`` seconds, and exits 0. Nothing is lost on the
+way: with another worker running, or a replacement started once it has gone, every task of the
+run completes exactly once (one distinct right result; each sub-task claimed once, the pause
+resumed once, the task completed once; hash chains verify).
+
+The example app's researchers work 200 to 400 ms per call here, so a worker holds a full
+prefetch of them when the signal arrives (the test checks that messages were waiting in the
+researcher queue at that moment, which means every consumer's prefetch was full, and that the
+broker counted unacked messages on the worker's connection just before).
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from events.postgres import PostgresEventStore
+from workers.settings import Settings
+from workers.wire import Names
+
+from ..support import (
+    DurableResultCollector,
+    Services,
+    WorkerProcess,
+    consumer_count,
+    eventually,
+    fanout_inputs,
+    fanout_problems,
+    log_lines,
+    paused_count,
+    queue_depth,
+    settle_run,
+    start_example_workers,
+    stats_env,
+    unacked_messages_of,
+    worker_counters,
+    worker_logs,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+K = 3
+GRACE = 10.0
+SIGNALS = [pytest.param(signal.SIGTERM, id="SIGTERM"), pytest.param(signal.SIGINT, id="SIGINT")]
+GRACE_EXPIRED = "still in flight after the grace period"
+
+
+def _worker(settings: Settings, tmp_path: Path, name: str, grace: float) -> WorkerProcess:
+    return WorkerProcess(
+        settings,
+        env={
+            "WAYSTATION_SHUTDOWN_GRACE": str(grace),
+            **stats_env(tmp_path / f"{name}.stats.json"),
+        },
+        log_path=tmp_path / f"{name}.log",
+    )
+
+
+def _connection_name(worker: WorkerProcess) -> str:
+    return f"waystation worker {socket.gethostname()}-{worker.pid}"
+
+
+async def _signal_and_wait(worker: WorkerProcess, signum: int, within: float) -> tuple[int, float]:
+    """Send ``signum``; the exit code and the seconds it took to exit (fails after ``within``)."""
+    assert worker.process is not None
+    signalled = time.monotonic()
+    worker.process.send_signal(signum)
+    code = await worker.wait_exit(within)
+    took = time.monotonic() - signalled
+    assert code is not None, f"the worker did not exit within {within}s of {signum!r}"
+    return code, took
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("signum", SIGNALS)
+@pytest.mark.parametrize("successor", ["peer", "replacement"])
+async def test_a_busy_worker_drains_exits_0_and_no_task_is_lost(
+    signum: signal.Signals,
+    successor: str,
+    settings: Settings,
+    store: PostgresEventStore,
+    tmp_path: Path,
+    services: Services,
+) -> None:
+    """Signal a worker holding a full prefetch of work; it drains within the grace period and
+    exits 0. Another worker (``peer``, running all along, or ``replacement``, started after the
+    first one exited) finishes the run; every task completes exactly once."""
+    tasks = 150
+    seed = random.randrange(2**32)
+    names = Names(settings.queue_prefix)
+    victim = _worker(settings, tmp_path, "victim", GRACE)
+    other = _worker(settings, tmp_path, successor, GRACE)
+    everyone = [victim, other]
+    logs = worker_logs(everyone)
+    try:
+        await start_example_workers(settings, [victim, other] if successor == "peer" else [victim])
+        async with DurableResultCollector(
+            settings.amqp_url, queue_prefix=settings.queue_prefix
+        ) as collector:
+            inputs = fanout_inputs("sig", tasks, K, (200.0, 400.0), seed)
+            task_ids = list(inputs)
+            for task_id, spec in inputs.items():
+                await collector.submit("orchestrator", spec, task_id=task_id)
+            await eventually(
+                lambda: len(collector.results) >= tasks // 10, 60, "a tenth of the results"
+            )
+            unacked = (
+                await unacked_messages_of(_connection_name(victim)) if services.rabbitmqctl else -1
+            )
+            waiting = await queue_depth(settings.amqp_url, names.tasks("researcher"))
+            done_at_signal = len(collector.results)
+            code, took = await _signal_and_wait(victim, signum, GRACE + 10)
+            paused = await paused_count(store, task_ids)
+
+            assert waiting > 0, "no researcher call was waiting: the victim's prefetch not full"
+            assert unacked != 0, "the broker saw nothing unacked on the victim's connection"
+            assert code == 0, f"exit code {code} after {signum!r}\n{logs()}"
+            assert took < GRACE, f"took {took:.1f}s to exit, grace is {GRACE}s\n{logs()}"
+            assert log_lines([victim], "stopping"), f"no 'stopping' logged\n{logs()}"
+            assert not log_lines([victim], GRACE_EXPIRED), f"grace period expired\n{logs()}"
+            assert done_at_signal < tasks and paused > 0, "the run was over at the signal"
+
+            if successor == "replacement":
+                await start_example_workers(settings, [other])
+            await settle_run(settings, store, collector, task_ids, logs)
+
+        problems, ignored = await fanout_problems(store, collector, inputs, K)
+        settled = {k: v for k, v in worker_counters([victim]).items() if k.startswith("settled_")}
+        report = (
+            f"seed {seed}: {signum.name} with {done_at_signal}/{tasks} results in, "
+            f"{waiting} researcher calls waiting, {unacked} unacked on the victim; it exited "
+            f"{code} after {took:.2f}s (settled {settled}); {paused} tasks paused then; "
+            f"result messages {len(collector.received)} (duplicates {collector.duplicates}); "
+            f"ReplyIgnored {dict(ignored)}"
+        )
+        print(report)
+        assert not problems, f"{report}\n{len(problems)} problems, first: {problems[:10]}\n{logs()}"
+        assert settled.get("settled_ack", 0) > 0, f"the victim settled nothing\n{logs()}"
+        assert other.alive(), f"the {successor} died\n{logs()}"
+        assert other.terminate(timeout=GRACE + 5) == 0, f"the {successor} did not exit 0"
+    finally:
+        for worker in everyone:
+            worker.terminate(timeout=GRACE + 5)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("signum", SIGNALS)
+async def test_an_idle_worker_exits_0_promptly(
+    signum: signal.Signals, settings: Settings, tmp_path: Path
+) -> None:
+    worker = _worker(settings, tmp_path, "idle", GRACE)
+    names = Names(settings.queue_prefix)
+    try:
+        await start_example_workers(settings, [worker])
+        code, took = await _signal_and_wait(worker, signum, 15)
+        print(f"idle worker: {signum.name} -> exit {code} after {took:.2f}s")
+        assert code == 0, f"exit code {code}\n{worker_logs([worker])()}"
+        assert took < 5, f"an idle worker took {took:.1f}s to exit"
+        assert log_lines([worker], "stopping")
+        # it left the consumer group
+        for queue in (names.tasks("orchestrator"), names.tasks("researcher")):
+            assert await consumer_count(settings.amqp_url, queue) == 0, f"{queue} still consumed"
+    finally:
+        worker.terminate(timeout=15)
+
+
+@pytest.mark.timeout(90)
+async def test_a_worker_whose_work_outlasts_the_grace_period_exits_0_and_its_work_is_redone(
+    settings: Settings, store: PostgresEventStore, tmp_path: Path, services: Services
+) -> None:
+    """The grace period bounds the shutdown: messages still in flight when it ends are not
+    acked, go back to their queue when the connection closes, and a replacement completes
+    every task exactly once."""
+    grace = 1.0
+    names = Names(settings.queue_prefix)
+    tasks = 5  # 15 researcher calls of 5 s: all in flight at once (prefetch 16)
+    seed = random.randrange(2**32)
+    victim = _worker(settings, tmp_path, "victim", grace)
+    replacement = _worker(settings, tmp_path, "replacement", GRACE)
+    everyone = [victim, replacement]
+    logs = worker_logs(everyone)
+    try:
+        await start_example_workers(settings, [victim])
+        async with DurableResultCollector(
+            settings.amqp_url, queue_prefix=settings.queue_prefix
+        ) as collector:
+            inputs = fanout_inputs("grace", tasks, K, (5000.0, 5000.0), seed)
+            task_ids = list(inputs)
+            for task_id, spec in inputs.items():
+                await collector.submit("orchestrator", spec, task_id=task_id)
+
+            async def all_paused() -> bool:
+                return await paused_count(store, task_ids) == tasks
+
+            async def calls_taken() -> bool:
+                return await queue_depth(settings.amqp_url, names.tasks("researcher")) == 0
+
+            await eventually(all_paused, 20, "every task to pause")
+            await eventually(calls_taken, 20, "the victim to take every researcher call")
+            unacked = (
+                await unacked_messages_of(_connection_name(victim)) if services.rabbitmqctl else -1
+            )
+            code, took = await _signal_and_wait(victim, signal.SIGTERM, grace + 10)
+            assert unacked != 0, "the broker saw nothing unacked on the victim's connection"
+            assert not collector.results, "a task completed before the signal: proves nothing"
+            assert code == 0, f"exit code {code}\n{logs()}"
+            assert took < grace + 3, f"took {took:.1f}s to exit with a {grace}s grace\n{logs()}"
+            expired = log_lines([victim], GRACE_EXPIRED)
+            assert expired, f"the grace period did not expire\n{logs()}"
+
+            await start_example_workers(settings, [replacement])
+            await settle_run(settings, store, collector, task_ids, logs)
+
+        problems, _ = await fanout_problems(store, collector, inputs, K)
+        print(
+            f"seed {seed}: grace {grace}s, exited {code} after {took:.2f}s "
+            f"({expired[0].split(' WARNING ')[-1]}); {unacked} unacked at the signal"
+        )
+        assert not problems, f"{len(problems)} problems, first: {problems[:10]}\n{logs()}"
+    finally:
+        for worker in everyone:
+            worker.terminate(timeout=GRACE + 5)

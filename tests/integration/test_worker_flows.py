@@ -1,0 +1,554 @@
+"""The worker's flows against the real services, with workers running in this process.
+
+Where a test needs to control exactly what a peer answers and when, the test itself plays the
+peer: its app calls an agent (``ghost``) that no worker serves, and the test takes the requests
+from ``<prefix>ghost`` and answers them with a plain aio-pika channel, using nothing but the
+wire format of ``workers/wire.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+from typing import Any
+
+import aio_pika
+import pytest
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
+
+from events import Call, Complete, Outcome, Pause, apply_delta, canonical, parse
+from events.codec import dumps, loads
+from events.postgres import PostgresEventStore
+from workers.agent import App, TaskContext
+from workers.example import app as example_app
+from workers.example import expected_total
+from workers.settings import Settings
+from workers.wire import HEADER_ROOT, Names
+
+from ..support import (
+    RecordingClient,
+    chain_problems,
+    count_rows,
+    declare_quorum_queue,
+    eventually,
+    publish_reply,
+    running_worker,
+    stream_types,
+    take,
+)
+
+pytestmark = pytest.mark.integration
+
+CLAIM_AND_RESULT = ["SubtaskClaimed", "ResultRecorded"]
+
+
+def boss_app(invocations: list[tuple[str, int]] | None = None) -> App:
+    """``boss`` calls ``k`` ghosts (served by no worker) and completes with what they answered."""
+    app = App()
+
+    @app.agent("boss")
+    async def boss(task: TaskContext) -> Outcome:
+        if invocations is not None:
+            invocations.append((task.task_id, task.pause))
+        if not task.resumed:
+            k = int(task.input["k"])
+            return Pause([Call("ghost", {"i": i, "of": task.task_id}) for i in range(k)])
+        return Complete([[r.outcome, r.value, r.error] for r in task.results])
+
+    return app
+
+
+async def ghost_queue(channel: AbstractChannel, settings: Settings) -> AbstractQueue:
+    return await declare_quorum_queue(channel, Names(settings.queue_prefix).tasks("ghost"))
+
+
+# ---- G10 -----------------------------------------------------------------------------------------
+
+
+async def test_g10_a_task_without_peer_calls_writes_nothing(
+    settings: Settings, store: PostgresEventStore
+) -> None:
+    before = (await count_rows(store, "events"), await count_rows(store, "outbox"))
+    async with (
+        running_worker(example_app, settings, store),
+        RecordingClient(settings.amqp_url, queue_prefix=settings.queue_prefix) as client,
+    ):
+        result = await client.call("researcher", {"x": 7}, timeout=20)
+        assert result.ok and result.result == {"answer": 49}
+    after = (await count_rows(store, "events"), await count_rows(store, "outbox"))
+    assert after == before, f"(events, outbox) rows before {before}, after {after}"
+    assert await stream_types(store, result.task_id) == []
+
+
+async def test_g10_auditing_all_tasks_records_them(
+    settings: Settings, store: PostgresEventStore
+) -> None:
+    audited = settings.model_copy(update={"audit_all_tasks": True})
+    async with (
+        running_worker(example_app, audited, store),
+        RecordingClient(settings.amqp_url, queue_prefix=settings.queue_prefix) as client,
+    ):
+        result = await client.call("researcher", {"x": 3}, timeout=20)
+    assert result.ok and result.result == {"answer": 9}
+    events = await store.read_stream(result.task_id)
+    assert [e.event_type for e in events] == ["TaskStarted", "TaskCompleted"]
+    assert events[-1].data["result"] == {"answer": 9}
+    assert chain_problems(events) == []
+
+
+# ---- state and results across several pauses ----------------------------------------------------
+
+ROUND_UPDATES: list[dict[str, Any]] = [
+    {
+        "text": 'naïve café — 日本語 🚀 \u2028 "quoted" \\ back',
+        "floats": [0.1, 1e-7, 3.141592653589793, -2.5, 1.25e-5, 6.02214076e23, 1e300, -0.0],
+        "big": 7.405149907093126e17,
+        "nested": {"a": {"b": [1, 2.5, {"c": "é", "d": None, "e": [True, False]}]}, "z": {}},
+        "count": 0,
+    },
+    {"count": 1, "text": None, "nested": {"a": {"b": []}, "new": 0.5}, "added": "ü" * 3},
+    {"count": 2, "floats": None, "zero": -0.0, "unicode key ✓": {"ключ": "значение"}},
+]
+
+
+async def test_state_round_trips_byte_identically_and_results_keep_call_order(
+    settings: Settings, store: PostgresEventStore, extra_agents: list[str]
+) -> None:
+    extra_agents.extend(["planner", "helper"])
+    k, rounds = 4, 3
+    seen: dict[int, bytes] = {}
+    seen_results: dict[int, list[Any]] = {}
+    app = App()
+
+    @app.agent("planner")
+    async def planner(task: TaskContext) -> Outcome:
+        if task.resumed:
+            seen[task.pause] = canonical(dict(task.state))
+            seen_results[task.pause] = [(r.subtask_id, r.outcome, r.value) for r in task.results]
+        if task.pause < rounds:
+            calls = [Call("helper", {"index": i, "k": k, "round": task.pause}) for i in range(k)]
+            return Pause(calls, update=ROUND_UPDATES[task.pause])
+        return Complete({"rounds": task.pause})
+
+    @app.agent("helper")
+    async def helper(task: TaskContext) -> Outcome:
+        index, of = int(task.input["index"]), int(task.input["k"])
+        # the last call answers first: replies arrive in the reverse of call order
+        await asyncio.sleep((of - 1 - index) * 0.15)
+        return Complete({"index": index, "round": task.input["round"]})
+
+    async with (
+        running_worker(app, settings, store),
+        RecordingClient(settings.amqp_url, queue_prefix=settings.queue_prefix) as client,
+    ):
+        result = await client.call("planner", {"go": True}, timeout=30)
+    assert result.ok and result.result == {"rounds": rounds}
+
+    expected: dict[str, Any] = {}
+    for pause in range(1, rounds + 1):
+        expected = apply_delta(expected, ROUND_UPDATES[pause - 1])
+        assert seen[pause] == canonical(expected), f"state seen on resume from pause {pause}"
+        assert seen_results[pause] == [
+            (f"{result.task_id}:{pause}:{i}", "ok", {"index": i, "round": pause - 1})
+            for i in range(k)
+        ], f"results of pause {pause} in call order"
+
+    events = await store.read_stream(result.task_id)
+    assert chain_problems(events) == []
+    # the replies really did arrive out of call order: the log records them as they came
+    arrival = [
+        int(e.data["subtask_id"].rsplit(":", 1)[1])
+        for e in events
+        if e.event_type == "SubtaskClaimed" and e.data["pause"] == 1
+    ]
+    assert sorted(arrival) == list(range(k)) and arrival != list(range(k)), arrival
+    # and each pause stored a minimal delta that folds back to the same state
+    folded: dict[str, Any] = {}
+    for event in events:
+        if event.event_type == "TaskPaused":
+            folded = apply_delta(folded, parse(event).state_delta)  # type: ignore[attr-defined]
+    assert canonical(folded) == canonical(expected)
+
+
+# ---- duplicates, a foreign peer, racing workers -------------------------------------------------
+
+
+async def test_a_duplicate_reply_is_recorded_for_audit_and_never_applied(
+    settings: Settings,
+    store: PostgresEventStore,
+    amqp_channel: AbstractChannel,
+    extra_agents: list[str],
+) -> None:
+    extra_agents.extend(["boss", "ghost"])
+    ghost = await ghost_queue(amqp_channel, settings)
+    async with (
+        running_worker(boss_app(), settings, store) as worker,
+        RecordingClient(settings.amqp_url, queue_prefix=settings.queue_prefix) as client,
+    ):
+        task_id = await client.submit("boss", {"k": 2})
+        requests = sorted(await take(ghost, 2), key=lambda m: m.correlation_id or "")
+        first, second = requests
+        assert [m.correlation_id for m in requests] == [f"{task_id}:1:0", f"{task_id}:1:1"]
+
+        await publish_reply(
+            amqp_channel, first, {"status": "ok", "result": "real"}, message_id="r-0"
+        )
+
+        async def claimed() -> bool:
+            return "SubtaskClaimed" in await stream_types(store, task_id)
+
+        await eventually(claimed, 10, "the first reply's claim")
+        # another reply for the same call, another message: audited, not applied
+        await publish_reply(
+            amqp_channel, first, {"status": "ok", "result": "dup"}, message_id="r-0-dup"
+        )
+
+        async def ignored() -> bool:
+            return "ReplyIgnored" in await stream_types(store, task_id)
+
+        await eventually(ignored, 10, "the duplicate's ReplyIgnored")
+        # the very same message again (a redelivery): recognised, no event at all
+        recognised = worker.stats.counters.get("redelivered_recognised", 0)
+        await publish_reply(
+            amqp_channel, first, {"status": "ok", "result": "real"}, message_id="r-0"
+        )
+        await eventually(
+            lambda: worker.stats.counters.get("redelivered_recognised", 0) > recognised,
+            10,
+            "the redelivered reply to be recognised",
+        )
+        await publish_reply(
+            amqp_channel, second, {"status": "ok", "result": "second"}, message_id="r-1"
+        )
+        result = await client.result(task_id, timeout=20)
+    assert result.ok and result.result == [["ok", "real", None], ["ok", "second", None]]
+
+    events = await store.read_stream(task_id)
+    types = [e.event_type for e in events]
+    claims = [e.data["subtask_id"] for e in events if e.event_type == "SubtaskClaimed"]
+    assert claims == [f"{task_id}:1:0", f"{task_id}:1:1"], types
+    ignored_events = [e.data for e in events if e.event_type == "ReplyIgnored"]
+    assert [(i["subtask_id"], i["reason"], i["message_id"]) for i in ignored_events] == [
+        (f"{task_id}:1:0", "duplicate", "r-0-dup")
+    ], types
+    assert types.count("TaskResumed") == 1 and types.count("TaskCompleted") == 1, types
+    assert chain_problems(events) == []
+
+
+async def test_a_foreign_peer_and_a_plain_publisher_speak_the_wire_format(
+    settings: Settings,
+    store: PostgresEventStore,
+    amqp_channel: AbstractChannel,
+    extra_agents: list[str],
+) -> None:
+    """Neither side uses Waystation code: a plain aio-pika peer serves ``ghost`` (answering
+    errors for odd inputs, without message ids), and a plain aio-pika publisher submits."""
+    extra_agents.extend(["boss", "ghost"])
+    names = Names(settings.queue_prefix)
+    ghost = await ghost_queue(amqp_channel, settings)
+    seen_requests: list[AbstractIncomingMessage] = []
+
+    async def serve(request: AbstractIncomingMessage) -> None:
+        async with request.process():
+            seen_requests.append(request)
+            i = loads(request.body)["i"]
+            body = (
+                {"status": "ok", "result": {"square": i * i}}
+                if i % 2 == 0
+                else {"status": "error", "error": {"type": "Odd", "message": f"{i} is odd"}}
+            )
+            await amqp_channel.default_exchange.publish(
+                aio_pika.Message(
+                    dumps(body),
+                    correlation_id=request.correlation_id,
+                    content_type="application/json",
+                ),
+                routing_key=request.reply_to or "",
+            )
+
+    peer_tag = await ghost.consume(serve)
+    results = await amqp_channel.declare_queue(exclusive=True, auto_delete=True)
+    try:
+        async with running_worker(boss_app(), settings, store):
+            submitted = {}
+            for n in range(5):
+                task_id, correlation = f"plain-{uuid.uuid4()}", f"corr-{n}"
+                submitted[correlation] = (task_id, n + 1)
+                await amqp_channel.default_exchange.publish(
+                    aio_pika.Message(
+                        dumps({"k": n + 1}),
+                        message_id=task_id,
+                        correlation_id=correlation,
+                        reply_to=results.name,
+                        content_type="application/json",
+                        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                    ),
+                    routing_key=names.tasks("boss"),
+                    mandatory=True,
+                )
+            answers = await take(results, len(submitted), within=30)
+    finally:
+        await ghost.cancel(peer_tag)
+
+    for answer in answers:
+        task_id, k = submitted[answer.correlation_id or ""]
+        assert answer.type == "result" and answer.content_type == "application/json"
+        expected = [
+            ["ok", {"square": i * i}, None]
+            if i % 2 == 0
+            else ["error", None, {"type": "Odd", "message": f"{i} is odd"}]
+            for i in range(k)
+        ]
+        assert loads(answer.body) == {"status": "ok", "result": expected, "task_id": task_id}
+        assert [e.event_type for e in await store.read_stream(task_id)].count("SubtaskClaimed") == k
+    assert sorted(a.correlation_id or "" for a in answers) == sorted(submitted)
+    # what a peer gets: a persistent JSON task whose message and correlation ids name the sub-task
+    for request in seen_requests:
+        task_id, pause, index = (request.correlation_id or "").rsplit(":", 2)
+        assert request.message_id == request.correlation_id and pause == "1"
+        assert request.type == "task" and request.content_type == "application/json"
+        assert request.delivery_mode == aio_pika.DeliveryMode.PERSISTENT
+        assert request.reply_to == names.replies("boss")
+        assert (request.headers or {}).get(HEADER_ROOT) == task_id
+        assert loads(request.body) == {"i": int(index), "of": task_id}
+    assert len(seen_requests) == sum(k for _, k in submitted.values())
+
+
+@pytest.mark.timeout(120)
+async def test_two_workers_racing_on_one_tasks_replies_claim_each_call_once(
+    settings: Settings,
+    database_url: str,
+    amqp_channel: AbstractChannel,
+    extra_agents: list[str],
+) -> None:
+    extra_agents.extend(["boss", "ghost"])
+    k, tasks = 5, 20
+    ghost = await ghost_queue(amqp_channel, settings)
+    store_a = PostgresEventStore.from_url(database_url, pool_size=5)
+    store_b = PostgresEventStore.from_url(database_url, pool_size=5)
+    try:
+        async with (
+            running_worker(
+                boss_app(), settings.model_copy(update={"worker_id": "racer-a"}), store_a
+            ) as a,
+            running_worker(
+                boss_app(), settings.model_copy(update={"worker_id": "racer-b"}), store_b
+            ) as b,
+            RecordingClient(settings.amqp_url, queue_prefix=settings.queue_prefix) as client,
+        ):
+            task_ids = [await client.submit("boss", {"k": k}) for _ in range(tasks)]
+            requests = await take(ghost, k * tasks, within=30)
+            # every reply right followed by a duplicate of it (another message id), all at once
+            await asyncio.gather(
+                *(
+                    publish_reply(
+                        amqp_channel,
+                        request,
+                        {
+                            "status": "ok",
+                            "result": int((request.correlation_id or "").rsplit(":", 1)[1]),
+                        },
+                        message_id=f"{request.correlation_id}/{copy}",
+                    )
+                    for request in requests
+                    for copy in ("first", "again")
+                )
+            )
+            results = {t: await client.result(t, timeout=30) for t in task_ids}
+            await eventually(
+                lambda: (
+                    sum(w.stats.counters.get("settled_ack", 0) for w in (a, b))
+                    >= tasks * (1 + 2 * k + 1)
+                ),
+                20,
+                "every task, reply and resume message to be acked",
+            )
+            stats = {w.settings.worker_id: dict(w.stats.counters) for w in (a, b)}
+        read = PostgresEventStore.from_url(database_url, pool_size=2)
+        try:
+            for task_id in task_ids:
+                assert results[task_id].ok
+                assert results[task_id].result == [["ok", i, None] for i in range(k)]
+                assert client.distinct_results(task_id) == {
+                    canonical(
+                        {"status": "ok", "result": results[task_id].result, "task_id": task_id}
+                    )
+                }
+                events = await read.read_stream(task_id)
+                types = [e.event_type for e in events]
+                claims = Counter(
+                    e.data["subtask_id"] for e in events if e.event_type == "SubtaskClaimed"
+                )
+                assert claims == Counter(f"{task_id}:1:{i}" for i in range(k)), (types, stats)
+                c = Counter(types)
+                assert (c["ResultRecorded"], c["TaskResumed"], c["TaskCompleted"]) == (k, 1, 1), (
+                    types
+                )
+                assert c["ReplyIgnored"] == k, (types, stats)
+                assert types[-1] in ("TaskCompleted", "ReplyIgnored"), types
+                assert chain_problems(events) == []
+        finally:
+            await read.close()
+        # both workers really took part
+        for worker_id, counters in stats.items():
+            assert counters.get("settled_ack", 0) > 0, (worker_id, stats)
+        print(f"racing workers: {stats}")
+    finally:
+        await store_a.close()
+        await store_b.close()
+
+
+# ---- bad replies, redeliveries ------------------------------------------------------------------
+
+
+async def test_a_reply_for_an_unknown_task_is_dead_lettered_with_its_reason(
+    settings: Settings,
+    store: PostgresEventStore,
+    amqp_channel: AbstractChannel,
+) -> None:
+    names = Names(settings.queue_prefix)
+    async with (
+        running_worker(example_app, settings, store) as worker,
+        RecordingClient(settings.amqp_url, queue_prefix=settings.queue_prefix) as client,
+    ):
+        bad = {
+            "no-such-task:1:0": ({"status": "ok", "result": 1}, "unknown-task"),
+            "not a sub-task id": ({"status": "ok", "result": 2}, "malformed-correlation-id"),
+        }
+        for correlation_id, (body, _) in bad.items():
+            await amqp_channel.default_exchange.publish(
+                aio_pika.Message(
+                    dumps(body), correlation_id=correlation_id, message_id=correlation_id
+                ),
+                routing_key=names.replies("orchestrator"),
+                mandatory=True,
+            )
+        dead_queue = await amqp_channel.declare_queue(names.dead_letter_queue, passive=True)
+        dead = await take(dead_queue, len(bad), within=20)
+        assert sorted(m.correlation_id or "" for m in dead) == sorted(bad)
+        for message in dead:
+            headers = message.headers or {}
+            body, reason = bad[message.correlation_id or ""]
+            assert headers.get("x-waystation-reason") == reason, headers
+            assert headers.get("x-waystation-queue") == names.replies("orchestrator"), headers
+            assert loads(message.body) == body
+        assert worker.stats.counters.get("settled_dead-letter") == len(bad), worker.stats.counters
+        # and it keeps serving
+        result = await client.call("orchestrator", {"n": 2, "k": 3}, timeout=20)
+        assert result.ok and result.result == {"n": 2, "total": expected_total(2, 3)}
+
+
+async def test_a_resubmitted_task_after_its_pause_committed_records_and_answers_once(
+    settings: Settings,
+    store: PostgresEventStore,
+    amqp_channel: AbstractChannel,
+    extra_agents: list[str],
+) -> None:
+    """The same task message again (same message id), while paused and after completion: the
+    re-run finds its events already recorded, publishes nothing and acks."""
+    extra_agents.extend(["boss", "ghost"])
+    ghost = await ghost_queue(amqp_channel, settings)
+    invocations: list[tuple[str, int]] = []
+    async with (
+        running_worker(boss_app(invocations), settings, store) as worker,
+        RecordingClient(settings.amqp_url, queue_prefix=settings.queue_prefix) as client,
+    ):
+        task_id = await client.submit("boss", {"k": 2})
+        requests = sorted(await take(ghost, 2), key=lambda m: m.correlation_id or "")
+        await eventually(
+            lambda: _no_outbox(store, task_id),
+            10,
+            "the pause's published requests to be forgotten",
+        )
+
+        await client.submit("boss", {"k": 2}, task_id=task_id)
+        await eventually(
+            lambda: worker.stats.counters.get("duplicate_appends", 0) == 1,
+            10,
+            "the resubmission to find its pause recorded",
+        )
+        assert await ghost.get(fail=False) is None, "the peer requests were published again"
+        for request in requests:
+            index = int((request.correlation_id or "").rsplit(":", 1)[1])
+            await publish_reply(
+                amqp_channel,
+                request,
+                {"status": "ok", "result": index},
+                message_id=f"reply-{index}",
+            )
+        result = await client.result(task_id, timeout=20)
+        assert result.ok and result.result == [["ok", 0, None], ["ok", 1, None]]
+
+        # once more after completion: still nothing new
+        await client.submit("boss", {"k": 2}, task_id=task_id)
+        await eventually(
+            lambda: worker.stats.counters.get("duplicate_appends", 0) == 2,
+            10,
+            "the second resubmission to find its events recorded",
+        )
+        await asyncio.sleep(settings.outbox_delay + 0.5)  # room for any stray republish
+        assert await ghost.get(fail=False) is None
+    assert invocations.count((task_id, 0)) == 3 and invocations.count((task_id, 1)) == 1, (
+        invocations
+    )
+    types = await stream_types(store, task_id)
+    assert types == [
+        "TaskStarted",
+        "TaskPaused",
+        *CLAIM_AND_RESULT * 2,
+        "TaskResumed",
+        "TaskCompleted",
+    ]
+    assert len(client.distinct_results(task_id)) == 1, client.bodies(task_id)
+    print(
+        f"result messages received: {len(client.bodies(task_id))} (duplicates {client.duplicates})"
+    )
+
+
+async def test_a_redelivered_task_message_after_its_pause_is_acked_without_running_the_handler(
+    settings: Settings,
+    store: PostgresEventStore,
+    amqp_channel: AbstractChannel,
+    extra_agents: list[str],
+) -> None:
+    extra_agents.extend(["boss", "ghost"])
+    names = Names(settings.queue_prefix)
+    ghost = await ghost_queue(amqp_channel, settings)
+    invocations: list[tuple[str, int]] = []
+    app = boss_app(invocations)
+    async with RecordingClient(settings.amqp_url, queue_prefix=settings.queue_prefix) as client:
+        async with running_worker(app, settings, store):
+            task_id = await client.submit("boss", {"k": 1})
+            [request] = await take(ghost, 1)
+        # no worker now: the same task message comes back with the redelivered flag set
+        await client.submit("boss", {"k": 1}, task_id=task_id)
+        boss_queue = await amqp_channel.declare_queue(names.tasks("boss"), passive=True)
+        for _ in range(200):
+            delivery = await boss_queue.get(fail=False)
+            if delivery is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert delivery is not None and not delivery.redelivered
+        await delivery.nack(requeue=True)
+
+        async with running_worker(app, settings, store) as worker:
+            await eventually(
+                lambda: worker.stats.counters.get("redelivered_recognised", 0) == 1,
+                10,
+                "the redelivered task to be recognised",
+            )
+            assert invocations == [(task_id, 0)], "the handler ran again for a recorded pause"
+            await publish_reply(
+                amqp_channel, request, {"status": "ok", "result": "x"}, message_id="r"
+            )
+            result = await client.result(task_id, timeout=20)
+    assert result.ok and result.result == [["ok", "x", None]]
+    assert invocations == [(task_id, 0), (task_id, 1)]
+    types = await stream_types(store, task_id)
+    assert types == ["TaskStarted", "TaskPaused", *CLAIM_AND_RESULT, "TaskResumed", "TaskCompleted"]
+    assert len(client.distinct_results(task_id)) == 1, client.bodies(task_id)
+
+
+async def _no_outbox(store: PostgresEventStore, task_id: str) -> bool:
+    return await count_rows(store, "outbox", "stream_id = :s", s=task_id) == 0

@@ -1,0 +1,895 @@
+"""Helpers shared by the tests: real services, isolated per run, and workers to run against them.
+
+Services: ``WAYSTATION_TEST_DATABASE_URL`` / ``WAYSTATION_TEST_AMQP_URL`` when set; else
+testcontainers when a Docker engine answers; else the local services (127.0.0.1). When neither
+can be reached the integration tests skip, except under CI (``CI`` set), where they fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlparse
+
+import aio_pika
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+
+from events import RecordedEvent, canonical
+from events.codec import dumps, loads
+from events.postgres import PostgresEventStore
+from projections.audit import verify_stream
+from workers.agent import App
+from workers.client import Client
+from workers.example import expected_total
+from workers.runtime import Worker
+from workers.settings import Settings
+from workers.topology import apply_policy
+from workers.wire import Names
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCAL_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
+LOCAL_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+
+
+@dataclass(frozen=True)
+class Services:
+    admin_database_url: str
+    """A URL whose server lets us create and drop databases."""
+    amqp_url: str
+    rabbitmqctl: bool
+    """Whether ``rabbitmqctl`` reaches this broker (local services only)."""
+
+
+def docker_engine_available() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=15).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def reachable(url: str, default_port: int) -> bool:
+    parsed = urlparse(url.replace("+asyncpg", ""))
+    try:
+        with socket.create_connection(
+            (parsed.hostname or "127.0.0.1", parsed.port or default_port), timeout=3
+        ):
+            return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def started_services() -> Iterator[Services]:
+    """The services for this test run (containers are stopped when the run ends)."""
+    database_url = os.environ.get("WAYSTATION_TEST_DATABASE_URL")
+    amqp_url = os.environ.get("WAYSTATION_TEST_AMQP_URL")
+    if database_url or amqp_url or not docker_engine_available():
+        yield Services(
+            admin_database_url=database_url or LOCAL_DATABASE_URL,
+            amqp_url=amqp_url or LOCAL_AMQP_URL,
+            rabbitmqctl=shutil.which("rabbitmqctl") is not None and amqp_url is None,
+        )
+        return
+    from testcontainers.postgres import PostgresContainer
+    from testcontainers.rabbitmq import RabbitMqContainer
+
+    with (
+        PostgresContainer("postgres:15", driver="asyncpg") as postgres,
+        RabbitMqContainer("rabbitmq:3.10") as rabbit,
+    ):
+        params = rabbit.get_connection_params()
+        yield Services(
+            admin_database_url=postgres.get_connection_url(),
+            amqp_url=f"amqp://guest:guest@{params.host}:{params.port}/",
+            rabbitmqctl=False,
+        )
+
+
+def fresh_database_url(admin_url: str) -> str:
+    return (
+        make_url(admin_url)
+        .set(database=f"ws_test_{uuid.uuid4().hex[:10]}")
+        .render_as_string(hide_password=False)
+    )
+
+
+def fresh_prefix() -> str:
+    return f"wst-{uuid.uuid4().hex[:8]}."
+
+
+async def delete_topology(amqp_url: str, prefix: str, agents: Iterable[str]) -> None:
+    """Delete every queue and exchange a test's workers declared under ``prefix``."""
+    names = Names(prefix)
+    connection = await aio_pika.connect(amqp_url)
+    try:
+        channel = await connection.channel()
+        for agent in agents:
+            for queue in (names.tasks(agent), names.replies(agent)):
+                await channel.queue_delete(queue)
+        await channel.queue_delete(names.dead_letter_queue)
+        await channel.exchange_delete(names.dead_letter_exchange)
+    finally:
+        await connection.close()
+
+
+async def count_rows(
+    store: PostgresEventStore, table: str, where: str = "true", **params: Any
+) -> int:
+    async with store.engine.connect() as connection:
+        return int(
+            await connection.scalar(text(f"SELECT count(*) FROM {table} WHERE {where}"), params)
+            or 0
+        )
+
+
+@contextlib.asynccontextmanager
+async def running_worker(
+    app: App, settings: Settings, store: PostgresEventStore, **kwargs: Any
+) -> AsyncIterator[Worker]:
+    """A worker running in this process for the duration of the block."""
+    worker = Worker(app, settings, store, **kwargs)
+    await worker.start()
+    try:
+        yield worker
+    finally:
+        await worker.stop()
+
+
+class WorkerProcess:
+    """A real worker subprocess (``python -m workers.cli worker``) of the example app."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        app: str = "workers.example:app",
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+    ) -> None:
+        self.settings = settings
+        self.app = app
+        self.extra_env = env or {}
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
+
+    def start(self) -> WorkerProcess:
+        environment = dict(os.environ)
+        environment.update(
+            {
+                "WAYSTATION_DATABASE_URL": self.settings.database_url,
+                "WAYSTATION_AMQP_URL": self.settings.amqp_url,
+                "WAYSTATION_QUEUE_PREFIX": self.settings.queue_prefix,
+                "WAYSTATION_BROKER_POLICY": self.settings.broker_policy,
+                "WAYSTATION_OUTBOX_DELAY": str(self.settings.outbox_delay),
+                "WAYSTATION_OUTBOX_POLL_INTERVAL": str(self.settings.outbox_poll_interval),
+                "WAYSTATION_CONCURRENCY": str(self.settings.concurrency),
+                "PYTHONPATH": str(ROOT),
+            }
+        )
+        environment.update(self.extra_env)
+        self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "workers.cli", "worker", "--app", self.app],
+            env=environment,
+            stdout=self._log,
+            stderr=self._log,
+            cwd=ROOT,
+        )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            assert self.process is not None
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+    def terminate(self, timeout: float = 30) -> int | None:
+        if self.process is None:
+            return None
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait(10)
+        finally:
+            if self._log not in (None, subprocess.DEVNULL):
+                self._log.close()
+
+    async def wait_exit(self, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                return self.process.returncode
+            await asyncio.sleep(0.05)
+        return None
+
+
+async def wait_for_consumers(amqp_url: str, queue: str, count: int, timeout: float = 30) -> None:
+    """Wait until ``queue`` has ``count`` consumers (workers finished starting)."""
+    connection = await aio_pika.connect(amqp_url)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            channel = await connection.channel()
+            try:
+                declared = await channel.declare_queue(queue, passive=True)
+                consumers = declared.declaration_result.consumer_count
+            except aio_pika.exceptions.ChannelClosed:
+                consumers = 0
+            await channel.close()
+            if consumers >= count:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{queue} has {consumers} consumers, wanted {count}")
+            await asyncio.sleep(0.1)
+    finally:
+        await connection.close()
+
+
+# ---- helpers of the integration flow, crash and multi-process tests ---------------------------
+
+
+class RecordingClient(Client):
+    """A :class:`Client` that also keeps every result message it receives, duplicates included.
+
+    ``Client`` keeps the first result per task and only counts the rest; a test that must prove
+    "exactly one distinct result" needs to see them all.
+    """
+
+    def __init__(self, amqp_url: str, *, queue_prefix: str = "waystation.") -> None:
+        super().__init__(amqp_url, queue_prefix=queue_prefix)
+        self.received: list[tuple[str | None, bytes]] = []
+
+    async def __aenter__(self) -> RecordingClient:
+        await self.connect()
+        return self
+
+    async def _on_result(self, message: AbstractIncomingMessage) -> None:
+        self.received.append((message.correlation_id, bytes(message.body)))
+        await super()._on_result(message)
+
+    def bodies(self, task_id: str) -> list[bytes]:
+        """Every result body received for ``task_id``, in arrival order."""
+        return [body for correlation_id, body in self.received if correlation_id == task_id]
+
+    def distinct_results(self, task_id: str) -> set[bytes]:
+        return {canonical(loads(body)) for body in self.bodies(task_id)}
+
+
+async def eventually(
+    predicate: Callable[[], Awaitable[bool] | bool],
+    within: float,
+    what: str,
+    interval: float = 0.05,
+) -> None:
+    """Wait until ``predicate()`` is true; fail naming ``what`` after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        outcome = predicate()
+        if inspect.isawaitable(outcome):
+            outcome = await outcome
+        if outcome:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+async def stream_types(store: PostgresEventStore, stream_id: str) -> list[str]:
+    return [event.event_type for event in await store.read_stream(stream_id)]
+
+
+def chain_problems(events: Sequence[RecordedEvent]) -> list[str]:
+    """What ``waystation verify`` finds wrong with one stream: versions, hash chain and the
+    invariants (empty when it verifies)."""
+    return [
+        f"{p.stream_id} v{p.stream_version}: {p.kind}: {p.message}" for p in verify_stream(events)
+    ]
+
+
+async def declare_quorum_queue(channel: AbstractChannel, name: str) -> AbstractQueue:
+    """Declare a queue the way Waystation does (durable quorum), e.g. for a test-played peer."""
+    return await channel.declare_queue(name, durable=True, arguments={"x-queue-type": "quorum"})
+
+
+async def take(
+    queue: AbstractQueue, count: int, within: float = 20
+) -> list[AbstractIncomingMessage]:
+    """Get and ack ``count`` messages from ``queue``, waiting up to ``within`` seconds."""
+    taken: list[AbstractIncomingMessage] = []
+    deadline = time.monotonic() + within
+    while len(taken) < count:
+        message = await queue.get(fail=False)
+        if message is None:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{queue.name}: got {len(taken)} messages, wanted {count}")
+            await asyncio.sleep(0.02)
+            continue
+        await message.ack()
+        taken.append(message)
+    return taken
+
+
+async def publish_reply(
+    channel: AbstractChannel,
+    request: AbstractIncomingMessage,
+    body: Any,
+    *,
+    message_id: str | None = None,
+) -> None:
+    """Answer a peer request the way any AMQP peer does: same correlation id, to its reply_to."""
+    assert request.reply_to, "a request names its reply queue"
+    await channel.default_exchange.publish(
+        aio_pika.Message(
+            dumps(body),
+            message_id=message_id,
+            correlation_id=request.correlation_id,
+            content_type="application/json",
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        ),
+        routing_key=request.reply_to,
+        mandatory=True,
+    )
+
+
+def tail(path: Path | None, lines: int = 40) -> str:
+    """The end of a worker's log file, for assertion messages."""
+    if path is None or not path.exists():
+        return "(no log)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+async def close_broker_connections(connection_name: str) -> int:
+    """Force-close (``rabbitmqctl close_connection``) every broker connection of that client name.
+
+    Local brokers only (``Services.rabbitmqctl``). Returns how many connections were closed.
+    """
+
+    async def rabbitmqctl(*args: str) -> str:
+        process = await asyncio.create_subprocess_exec(
+            "rabbitmqctl", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        out, err = await process.communicate()
+        if process.returncode != 0:
+            raise RuntimeError(f"rabbitmqctl {args[0]}: {(err or out).decode().strip()}")
+        return out.decode()
+
+    listing = await rabbitmqctl(
+        "list_connections", "-q", "--no-table-headers", "pid", "client_properties"
+    )
+    marker = f'{{"connection_name","{connection_name}"}}'
+    pids = [line.split("\t", 1)[0] for line in listing.splitlines() if marker in line]
+    for pid in pids:
+        await rabbitmqctl("close_connection", pid, "closed by a Waystation test")
+    return len(pids)
+
+
+# ---- helpers of the outage and shutdown tests --------------------------------------------------
+
+
+async def run_rabbitmqctl(*args: str) -> str:
+    """Run ``rabbitmqctl`` on this host (local brokers only); its output, or RuntimeError."""
+    process = await asyncio.create_subprocess_exec(
+        "rabbitmqctl", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"rabbitmqctl {args[0]}: {(err or out).decode().strip()}")
+    return out.decode()
+
+
+@contextlib.asynccontextmanager
+async def temporary_vhost(amqp_url: str) -> AsyncIterator[tuple[str, str]]:
+    """A RabbitMQ virtual host of the test's own: yields ``(vhost, its AMQP URL)``; deleted after.
+
+    A test that closes *all* connections (``rabbitmqctl close_all_connections``) scopes the
+    outage to this vhost, so that it hits every connection of the system under test and
+    nothing else that shares the broker. Local brokers only (``Services.rabbitmqctl``).
+    """
+    parsed = urlparse(amqp_url)
+    vhost = f"wst-{uuid.uuid4().hex[:8]}"
+    await run_rabbitmqctl("add_vhost", vhost)
+    try:
+        await run_rabbitmqctl(
+            "set_permissions", "-p", vhost, parsed.username or "guest", ".*", ".*", ".*"
+        )
+        yield vhost, parsed._replace(path=f"/{quote(vhost, safe='')}").geturl()
+    finally:
+        await run_rabbitmqctl("delete_vhost", vhost)
+
+
+async def apply_queue_policy(vhost: str, names: Names, delivery_limit: int = 5) -> None:
+    """Apply Waystation's delivery-limit and dead-letter policy to ``names`` in ``vhost``."""
+    await apply_policy(names, delivery_limit, "rabbitmqctl", vhost=vhost)
+
+
+async def broker_connections(vhost: str) -> list[str]:
+    """The client-given ``connection_name`` of every connection open in ``vhost``."""
+    listing = await run_rabbitmqctl(
+        "list_connections", "-q", "--no-table-headers", "vhost", "client_properties"
+    )
+    names = []
+    for line in listing.splitlines():
+        found, _, properties = line.partition("\t")
+        if found != vhost:
+            continue
+        match = re.search(r'\{"connection_name","([^"]*)"\}', properties)
+        names.append(match.group(1) if match else "(unnamed)")
+    return names
+
+
+async def close_all_broker_connections(vhost: str) -> None:
+    """``rabbitmqctl close_all_connections`` in ``vhost``: every client of it is cut off."""
+    await run_rabbitmqctl(
+        "close_all_connections", "--vhost", vhost, "test: every connection closed"
+    )
+
+
+async def unacked_messages_of(connection_name: str) -> int:
+    """Messages the broker has delivered to that client and not yet seen settled (rabbitmqctl)."""
+    connections = await run_rabbitmqctl(
+        "list_connections", "-q", "--no-table-headers", "pid", "client_properties"
+    )
+    marker = f'{{"connection_name","{connection_name}"}}'
+    pids = {line.split("\t", 1)[0] for line in connections.splitlines() if marker in line}
+    channels = await run_rabbitmqctl(
+        "list_channels", "-q", "--no-table-headers", "connection", "messages_unacknowledged"
+    )
+    total = 0
+    for line in channels.splitlines():
+        pid, _, unacked = line.partition("\t")
+        if pid in pids:
+            total += int(unacked)
+    return total
+
+
+async def _queue_counts(amqp_url: str, queue: str) -> tuple[int, int]:
+    connection = await aio_pika.connect(amqp_url)
+    try:
+        channel = await connection.channel()
+        declared = await channel.declare_queue(queue, passive=True)
+        result = declared.declaration_result
+        return int(result.message_count or 0), int(result.consumer_count or 0)
+    finally:
+        await connection.close()
+
+
+async def queue_depth(amqp_url: str, queue: str) -> int:
+    """Messages ready (not delivered to any consumer) in ``queue``."""
+    return (await _queue_counts(amqp_url, queue))[0]
+
+
+async def consumer_count(amqp_url: str, queue: str) -> int:
+    """Consumers of ``queue`` right now."""
+    return (await _queue_counts(amqp_url, queue))[1]
+
+
+async def _run_tool(*args: str) -> str:
+    process = await asyncio.create_subprocess_exec(
+        *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"{' '.join(args[:2])}: {(err or out).decode().strip()}")
+    return out.decode()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+PG_TOOLS = ("pg_lsclusters", "pg_ctlcluster", "pg_createcluster", "pg_dropcluster")
+
+
+@dataclass(frozen=True)
+class PostgresCluster:
+    """A local PostgreSQL cluster managed with Debian's postgresql-common tools."""
+
+    version: str
+    name: str
+    port: int
+
+    @classmethod
+    def serving(cls, database_url: str) -> PostgresCluster | None:
+        """The local cluster serving ``database_url``, or None (remote, or no pg tools here)."""
+        if any(shutil.which(tool) is None for tool in PG_TOOLS):
+            return None
+        url = make_url(database_url)
+        if url.host not in (None, "", "localhost", "127.0.0.1", "::1"):
+            return None
+        listing = subprocess.run(
+            ["pg_lsclusters", "--no-header"], capture_output=True, text=True, check=False
+        ).stdout
+        for line in listing.splitlines():
+            fields = line.split()
+            if len(fields) >= 3 and fields[2] == str(url.port or 5432):
+                return cls(fields[0], fields[1], int(fields[2]))
+        return None
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def scratch(cls, version: str) -> AsyncIterator[PostgresCluster]:
+        """A new, running cluster of ``version`` (trust auth, a free port); dropped after.
+
+        A test that stops PostgreSQL stops this one, so nothing else using the machine's
+        server (another test run, say) notices. Needs root or the postgres user.
+        """
+        cluster = cls(version, f"wst_{uuid.uuid4().hex[:8]}", _free_port())
+        await _run_tool(
+            "pg_createcluster",
+            version,
+            cluster.name,
+            "--port",
+            str(cluster.port),
+            "--start",
+            "--",
+            "--auth=trust",
+        )
+        try:
+            yield cluster
+        finally:
+            await _run_tool("pg_dropcluster", "--stop", version, cluster.name)
+
+    def url(self, database: str) -> str:
+        """An asyncpg URL of ``database`` on this cluster (user postgres)."""
+        return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/{database}"
+
+    async def _ctl(self, action: str, *options: str) -> None:
+        await _run_tool(
+            "pg_ctlcluster", "--skip-systemctl-redirect", *options, self.version, self.name, action
+        )
+
+    async def online(self) -> bool:
+        listing = await _run_tool("pg_lsclusters", "--no-header")
+        for line in listing.splitlines():
+            fields = line.split()
+            if fields[:2] == [self.version, self.name]:
+                return len(fields) > 3 and fields[3] == "online"
+        return False
+
+    async def stop(self) -> None:
+        """Fast shutdown: every session is terminated, open transactions roll back."""
+        await self._ctl("stop", "--mode", "fast")
+
+    async def start(self) -> None:
+        await self._ctl("start")
+
+    async def ensure_running(self) -> None:
+        if not await self.online():
+            await self.start()
+
+
+class DurableResultCollector(RecordingClient):
+    """A publisher whose results survive its own broker connection being closed.
+
+    :class:`~workers.client.Client` replies to an exclusive, auto-delete queue: the broker
+    deletes it with the client's connection and the client re-declares it only when it has
+    reconnected, so a result published in between is unroutable and dropped by the worker
+    (and anything already in the queue goes with it). A test that closes every connection must
+    measure the workers, not that window. This client's reply queue is a named durable quorum
+    queue (``<prefix>test-results``) consumed with manual acks over a robust connection: results
+    wait there while it reconnects, and one delivered but not yet acked when the connection
+    dropped comes again (kept in ``received``; counted in ``duplicates``). It submits like
+    ``Client`` (same wire format) and records like :class:`RecordingClient`. ``reconnects``
+    counts how often the connection came back.
+    """
+
+    def __init__(
+        self,
+        amqp_url: str,
+        *,
+        queue_prefix: str = "waystation.",
+        queue_name: str = "test-results",
+        reconnect_interval: float = 1.0,
+    ) -> None:
+        super().__init__(amqp_url, queue_prefix=queue_prefix)
+        self.queue_name = f"{queue_prefix}{queue_name}"
+        self.connection_name = f"waystation test results {self.queue_name}"
+        self.reconnects = 0
+        self._reconnect_interval = reconnect_interval
+
+    async def __aenter__(self) -> DurableResultCollector:
+        await self.connect()
+        return self
+
+    async def connect(self) -> None:
+        connection = await aio_pika.connect_robust(
+            self.amqp_url,
+            client_properties={"connection_name": self.connection_name},
+            reconnect_interval=self._reconnect_interval,
+        )
+        connection.reconnect_callbacks.add(self._on_reconnect)
+        self._connection = connection
+        self._channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        self._reply_queue = await declare_quorum_queue(self._channel, self.queue_name)
+        await self._reply_queue.consume(self._on_result)
+
+    def _on_reconnect(self, *_: Any) -> None:
+        self.reconnects += 1
+
+    async def _on_result(self, message: AbstractIncomingMessage) -> None:
+        await super()._on_result(message)
+        try:
+            await message.ack()
+        except (
+            aio_pika.exceptions.AMQPError,
+            aio_pika.exceptions.ChannelInvalidStateError,
+            ConnectionError,
+        ):
+            pass  # the channel died first: the broker delivers it again (a duplicate)
+
+    async def close(self, *, delete_queue: bool = True) -> None:
+        await super().close()
+        if delete_queue:
+            connection = await aio_pika.connect(self.amqp_url)
+            try:
+                await (await connection.channel()).queue_delete(self.queue_name)
+            finally:
+                await connection.close()
+
+
+def fanout_inputs(
+    label: str,
+    tasks: int,
+    k: int,
+    work_ms: tuple[float, float],
+    seed: int,
+    *,
+    slow: int = 0,
+    slow_ms: float = 0.0,
+) -> dict[str, dict[str, float | int]]:
+    """Inputs of ``tasks`` example orchestrator tasks (K researchers, work in ``work_ms``).
+
+    The first ``slow`` tasks (submitted first) take ``slow_ms`` per call instead: an outage test
+    uses them so that some tasks are certainly still paused when the outage starts, however fast
+    the machine runs the rest.
+    """
+    rng = random.Random(seed)
+    return {
+        f"{label}-{seed}-{i}": {
+            "n": i,
+            "k": k,
+            "work_ms": slow_ms if i < slow else round(rng.uniform(*work_ms), 1),
+        }
+        for i in range(tasks)
+    }
+
+
+async def start_example_workers(settings: Settings, workers: Sequence[WorkerProcess]) -> None:
+    """Start the example app's worker processes and wait until each consumes every queue."""
+    names = Names(settings.queue_prefix)
+    for worker in workers:
+        worker.start()
+    for queue in (
+        names.tasks("orchestrator"),
+        names.replies("orchestrator"),
+        names.tasks("researcher"),
+    ):
+        await wait_for_consumers(settings.amqp_url, queue, len(workers))
+
+
+def worker_logs(workers: Sequence[WorkerProcess], lines: int = 15) -> Callable[[], str]:
+    """A function returning the end of every worker's log, for assertion messages."""
+
+    def logs() -> str:
+        return "\n".join(
+            f"--- {w.log_path.name}:\n{tail(w.log_path, lines)}" for w in workers if w.log_path
+        )
+
+    return logs
+
+
+def log_lines(workers: Sequence[WorkerProcess], needle: str) -> list[str]:
+    """Every line of the workers' logs that contains ``needle``."""
+    found: list[str] = []
+    for worker in workers:
+        if worker.log_path is not None and worker.log_path.exists():
+            found.extend(
+                line
+                for line in worker.log_path.read_text(errors="replace").splitlines()
+                if needle in line
+            )
+    return found
+
+
+_OUTBOX_OF = text("SELECT count(*) FROM outbox WHERE stream_id = ANY(CAST(:ids AS text[]))")
+_PAUSED_OF = text(
+    """
+    SELECT count(*) FROM (
+        SELECT stream_id FROM events WHERE stream_id = ANY(CAST(:ids AS text[]))
+        GROUP BY stream_id
+        HAVING bool_or(event_type = 'TaskPaused') AND NOT bool_or(event_type = 'TaskCompleted')
+    ) AS paused
+    """
+)
+
+
+async def paused_count(store: PostgresEventStore, task_ids: Sequence[str]) -> int:
+    """How many of these tasks are paused (checkpointed, not completed) right now."""
+    async with store.engine.connect() as connection:
+        return int(await connection.scalar(_PAUSED_OF, {"ids": list(task_ids)}) or 0)
+
+
+async def settle_run(
+    settings: Settings,
+    store: PostgresEventStore,
+    collector: RecordingClient,
+    task_ids: Sequence[str],
+    logs: Callable[[], str],
+    within: float = 60,
+) -> None:
+    """Wait for every result, then for the outbox to drain and stray republishes to land."""
+    try:
+        await eventually(lambda: len(collector.results) == len(task_ids), within, "every result")
+    except AssertionError as error:
+        missing = [t for t in task_ids if t not in collector.results]
+        raise AssertionError(
+            f"{error}; {len(missing)} missing, e.g. {missing[:5]}\n{logs()}"
+        ) from None
+
+    async def outbox_drained() -> bool:
+        async with store.engine.connect() as connection:
+            return not await connection.scalar(_OUTBOX_OF, {"ids": list(task_ids)})
+
+    await eventually(outbox_drained, 30, "the outbox rows of every task to be published")
+    # let messages republished at least once arrive and be handled before reading the log
+    await asyncio.sleep(settings.outbox_delay + 1.0)
+    await eventually(outbox_drained, 30, "the outbox rows of every task to be published")
+
+
+async def fanout_problems(
+    store: PostgresEventStore,
+    collector: RecordingClient,
+    inputs: dict[str, dict[str, float | int]],
+    k: int,
+) -> tuple[list[str], Counter[str]]:
+    """Everything wrong with the results and streams of one-round example orchestrator tasks.
+
+    Each task must have one distinct, correct result; its stream: K sub-tasks claimed once
+    each, one pause resumed once, completed once as its last decisive event, nothing else
+    (audit-only ``ReplyIgnored`` aside), and a hash chain that verifies. Also returns the
+    ``ReplyIgnored`` reasons seen.
+    """
+    expected = [
+        "TaskStarted",
+        "TaskPaused",
+        *["SubtaskClaimed", "ResultRecorded"] * k,
+        "TaskResumed",
+        "TaskCompleted",
+    ]
+    problems: list[str] = []
+    ignored: Counter[str] = Counter()
+    results = collector.results
+    for task_id, spec in inputs.items():
+        n = int(spec["n"])
+        result = results.get(task_id)
+        if (
+            result is None
+            or not result.ok
+            or result.result != {"n": n, "total": expected_total(n, k)}
+        ):
+            problems.append(f"{task_id}: wrong result {result}")
+        if len(collector.distinct_results(task_id)) != 1:
+            problems.append(f"{task_id}: distinct results {collector.bodies(task_id)}")
+        events = await store.read_stream(task_id)
+        types = [e.event_type for e in events]
+        ignored.update(e.data["reason"] for e in events if e.event_type == "ReplyIgnored")
+        decisive = [t for t in types if t != "ReplyIgnored"]
+        claims = Counter(e.data["subtask_id"] for e in events if e.event_type == "SubtaskClaimed")
+        if claims != Counter(f"{task_id}:1:{i}" for i in range(k)):
+            problems.append(f"{task_id}: claims {dict(claims)}")
+        if types.count("TaskResumed") != 1 or types.count("TaskPaused") != 1:
+            problems.append(
+                f"{task_id}: {types.count('TaskPaused')} pauses, "
+                f"{types.count('TaskResumed')} resumes"
+            )
+        if types.count("TaskCompleted") != 1 or not decisive or decisive[-1] != "TaskCompleted":
+            problems.append(f"{task_id}: not completed exactly once: {types}")
+        if decisive != expected:
+            problems.append(f"{task_id}: stream {types}")
+        problems.extend(chain_problems(events))
+    return problems, ignored
+
+
+def stats_env(path: Path) -> dict[str, str]:
+    """Environment that makes a worker write its counters to ``path`` when it stops."""
+    return {"WAYSTATION_STATS_FILE": str(path)}
+
+
+def worker_counters(workers: Sequence[WorkerProcess]) -> Counter[str]:
+    """The counters the (stopped) workers wrote to their ``WAYSTATION_STATS_FILE``, summed."""
+    total: Counter[str] = Counter()
+    for worker in workers:
+        path = worker.extra_env.get("WAYSTATION_STATS_FILE")
+        if path and Path(path).exists():
+            total.update(loads(Path(path).read_bytes())["counters"])
+    return total
+
+
+# ---- helpers of the deadline, cancellation, failure and bad-input tests ------------------------
+
+
+async def publish_raw(
+    channel: AbstractChannel, routing_key: str, body: bytes, **properties: Any
+) -> None:
+    """Publish ``body`` byte for byte (persistent, mandatory) with these AMQP properties; what
+    a publisher in another language, or a broken one, could send.
+
+    aio-pika (aiormq) gives every message it publishes a random ``message_id`` when it has none:
+    to send one truly without, use :func:`publish_with_pika`.
+    """
+    await channel.default_exchange.publish(
+        aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT, **properties),
+        routing_key=routing_key,
+        mandatory=True,
+    )
+
+
+async def publish_with_pika(
+    amqp_url: str, routing_key: str, body: bytes, **properties: Any
+) -> None:
+    """Publish with pika (a blocking client, in a thread), which sends exactly the properties
+    given, none added. Confirmed and mandatory, like the rest."""
+    import pika
+
+    def publish() -> None:
+        connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+        try:
+            channel = connection.channel()
+            channel.confirm_delivery()
+            channel.basic_publish(
+                exchange="",
+                routing_key=routing_key,
+                body=body,
+                properties=pika.BasicProperties(delivery_mode=2, **properties),
+                mandatory=True,
+            )
+        finally:
+            connection.close()
+
+    await asyncio.to_thread(publish)
+
+
+async def dead_letters(
+    channel: AbstractChannel, names: Names, count: int, within: float = 20
+) -> list[AbstractIncomingMessage]:
+    """Take ``count`` messages from the deployment's dead-letter queue (it must exist)."""
+    queue = await channel.declare_queue(names.dead_letter_queue, passive=True)
+    return await take(queue, count, within)
+
+
+def counter(worker: Worker, name: str) -> int:
+    return worker.stats.counters.get(name, 0)

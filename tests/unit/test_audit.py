@@ -1,0 +1,254 @@
+"""``projections.audit``: verify_stream finds each kind of problem; timeline reads a stream.
+
+Streams are built with the real hash chain (``events.chain.chain``), so an invariant broken on
+purpose shows as exactly that problem and nothing else; structural damage (a hash, a link, a
+version) is done afterwards, as a tampering would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+
+from events import (
+    DomainEvent,
+    EventMetadata,
+    NewEvent,
+    PendingCall,
+    RecordedEvent,
+    ReplyIgnored,
+    ResultRecorded,
+    SubtaskClaimed,
+    TaskCompleted,
+    TaskPaused,
+    TaskResumed,
+    TaskStarted,
+    event_id,
+)
+from events.chain import chain
+from events.codec import GENESIS_HASH
+from projections.audit import Problem, pauses, timeline, verify_stream
+
+TASK = "t"
+START = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+
+
+def build(
+    domain_events: Sequence[DomainEvent], *, stream_id: str = TASK, step_ms: float = 10
+) -> list[RecordedEvent]:
+    """The stream of these events as the log would hold it, with a correct hash chain."""
+    new = [
+        NewEvent.of(
+            event_id(stream_id, "test", index), event, EventMetadata(worker_id=f"w{index % 2}")
+        )
+        for index, event in enumerate(domain_events)
+    ]
+    return [
+        RecordedEvent(
+            stream_id=stream_id,
+            stream_version=version,
+            event_id=event.event_id,
+            event_type=event.event_type,
+            data=event.data,
+            metadata=event.metadata,
+            schema_version=event.schema_version,
+            prev_hash=previous,
+            hash=digest,
+            global_position=version,
+            tx_id=version,
+            recorded_at=START + timedelta(milliseconds=step_ms * (version - 1)),
+        )
+        for event, (version, previous, digest) in zip(
+            new, chain(stream_id, 0, new, GENESIS_HASH), strict=True
+        )
+    ]
+
+
+def paused(k: int = 3, pause: int = 1) -> TaskPaused:
+    return TaskPaused(
+        pause=pause,
+        state_delta={"asked": k},
+        calls=tuple(
+            PendingCall(
+                subtask_id=f"{TASK}:{pause}:{i}",
+                agent="researcher",
+                input={"i": i},
+                deadline_at=1_000_300.0,
+                dispatched_at=1_000_000.0,
+            )
+            for i in range(k)
+        ),
+    )
+
+
+def replies(k: int = 3, pause: int = 1) -> list[DomainEvent]:
+    events: list[DomainEvent] = []
+    for i in range(k):
+        subtask = f"{TASK}:{pause}:{i}"
+        events.append(SubtaskClaimed(subtask_id=subtask, pause=pause, message_id=f"m{i}"))
+        events.append(ResultRecorded(subtask_id=subtask, pause=pause, outcome="ok", value=i))
+    return events
+
+
+def fanout() -> list[DomainEvent]:
+    return [
+        TaskStarted(agent="orchestrator", input={"n": 1, "k": 3}, reply_to="client"),
+        paused(),
+        *replies(),
+        TaskResumed(pause=1),
+        TaskCompleted(result={"total": 6}),
+    ]
+
+
+def kinds(problems: list[Problem]) -> list[tuple[int, str]]:
+    return [(p.stream_version, p.kind) for p in problems]
+
+
+def test_a_clean_fanout_stream_verifies() -> None:
+    stream = build(fanout())
+    assert verify_stream(stream) == []
+    assert verify_stream([]) == []
+
+
+def test_audit_events_after_a_terminal_one_are_allowed() -> None:
+    late = ReplyIgnored(subtask_id=f"{TASK}:1:0", reason="late", outcome="ok")
+    assert verify_stream(build([*fanout(), late])) == []
+
+
+def test_a_changed_payload_breaks_that_events_hash() -> None:
+    stream = build(fanout())
+    assert stream[7].event_type == "ResultRecorded"
+    stream[7] = dataclasses.replace(stream[7], data={**stream[7].data, "value": 99})
+    problems = verify_stream(stream)
+    assert kinds(problems) == [(8, "hash-mismatch")]
+    assert "t v8: hash-mismatch" in str(problems[0]) and problems[0].stream_id == TASK
+
+
+def test_a_changed_metadata_breaks_the_hash_too() -> None:
+    stream = build(fanout())
+    stream[0] = dataclasses.replace(stream[0], metadata={"worker_id": "mallory"})
+    assert kinds(verify_stream(stream)) == [(1, "hash-mismatch")]
+
+
+def test_a_broken_link_is_found() -> None:
+    stream = build(fanout())
+    stream[4] = dataclasses.replace(stream[4], prev_hash=bytes(range(32)))
+    # the event's own hash was computed over the real prev_hash, so it no longer matches either
+    assert kinds(verify_stream(stream)) == [(5, "broken-link"), (5, "hash-mismatch")]
+
+
+def test_a_removed_event_shows_as_a_gap_and_a_broken_link() -> None:
+    stream = build(fanout())
+    del stream[3]  # the result of t:1:0, so the resume also comes before every result
+    assert kinds(verify_stream(stream)) == [
+        (5, "version-gap"),
+        (5, "broken-link"),
+        (9, "early-resume"),
+    ]
+
+
+def test_a_first_event_not_at_version_one_is_a_gap() -> None:
+    stream = build(fanout())
+    stream[0] = dataclasses.replace(stream[0], stream_version=0)
+    assert (0, "version-gap") in kinds(verify_stream(stream))
+
+
+def test_a_second_claim_of_a_subtask_is_found() -> None:
+    events = fanout()
+    events.insert(4, SubtaskClaimed(subtask_id=f"{TASK}:1:0", pause=1, message_id="other"))
+    problems = verify_stream(build(events))
+    assert kinds(problems) == [(5, "double-claim")]
+    assert f"{TASK}:1:0" in problems[0].message
+
+
+def test_a_second_resume_of_a_pause_is_found() -> None:
+    events = fanout()
+    events.insert(-1, TaskResumed(pause=1))
+    assert kinds(verify_stream(build(events))) == [(10, "double-resume")]
+
+
+def test_a_resume_before_every_result_is_found() -> None:
+    events = [
+        TaskStarted(agent="orchestrator", input=None),
+        paused(),
+        *replies(2),
+        TaskResumed(pause=1),
+    ]
+    problems = verify_stream(build(events))
+    assert kinds(problems) == [(7, "early-resume")]
+    assert f"{TASK}:1:2" in problems[0].message
+
+
+def test_a_resume_of_a_pause_that_never_happened_is_found() -> None:
+    events = [TaskStarted(agent="orchestrator", input=None), TaskResumed(pause=1)]
+    assert kinds(verify_stream(build(events))) == [(2, "early-resume")]
+
+
+def test_an_event_after_a_terminal_one_is_found() -> None:
+    events = [*fanout(), TaskCompleted(result="again")]
+    problems = verify_stream(build(events))
+    assert kinds(problems) == [(11, "after-terminal")]
+    assert "TaskCompleted at v10" in problems[0].message
+
+
+def test_a_result_without_its_claim_is_found() -> None:
+    events = fanout()
+    del events[2]  # the first SubtaskClaimed
+    assert kinds(verify_stream(build(events))) == [(3, "result-without-claim")]
+
+
+def test_unreadable_data_is_reported_not_raised() -> None:
+    stream = build(fanout())
+    stream[1] = dataclasses.replace(stream[1], data={"pause": "not a number"})
+    # the pause cannot be read, so its resume has no pause to resume either
+    assert kinds(verify_stream(stream)) == [
+        (2, "hash-mismatch"),
+        (2, "unreadable"),
+        (9, "early-resume"),
+    ]
+
+
+def test_timeline_of_a_fanout_reads_like_a_story() -> None:
+    stream = build(fanout(), step_ms=21)
+    entries = timeline(stream)
+    assert [e.version for e in entries] == list(range(1, 11))
+    assert [e.event_type for e in entries] == [e.event_type for e in stream]
+    assert [e.actor for e in entries[:2]] == ["w0", "w1"]
+    assert entries[0].recorded_at == START
+    summaries = [e.summary for e in entries]
+    assert summaries[0] == 'started orchestrator with input {"k":3,"n":1}'
+    assert summaries[1] == "paused #1 calling researcher ×3 (deadline in 300 s)"
+    assert summaries[2] == f"claimed {TASK}:1:0"
+    assert summaries[3] == f"result ok for {TASK}:1:0"
+    # paused at v2, resumed at v9: 7 steps of 21 ms
+    assert summaries[8] == "resumed from pause #1 after 0.147 s"
+    assert summaries[9] == "completed"
+    assert entries[1].pause_seconds == entries[8].pause_seconds == 0.147
+    assert all(e.pause_seconds is None for e in entries if e.version not in (2, 9))
+    (span,) = pauses(stream)
+    assert (span.pause, span.paused_version, span.resumed_version, span.seconds) == (
+        1,
+        2,
+        9,
+        0.147,
+    )
+
+
+def test_timeline_names_timeouts_ignored_replies_and_open_pauses() -> None:
+    events: list[DomainEvent] = [
+        TaskStarted(agent="orchestrator", input=None),
+        paused(k=1),
+        SubtaskClaimed(subtask_id=f"{TASK}:1:0", pause=1),
+        ResultRecorded(subtask_id=f"{TASK}:1:0", pause=1, outcome="timeout"),
+        TaskResumed(pause=1),
+        paused(k=2, pause=2),
+        ReplyIgnored(subtask_id=f"{TASK}:1:0", reason="late", outcome="ok"),
+    ]
+    stream = build(events)
+    summaries = [e.summary for e in timeline(stream)]
+    assert summaries[2] == f"claimed {TASK}:1:0 (no reply message: its deadline passed)"
+    assert summaries[3] == f"result timeout for {TASK}:1:0"
+    assert summaries[5] == "paused #2 calling researcher ×2 (deadline in 300 s)"
+    assert summaries[6] == f"ignored late ok reply for {TASK}:1:0"
+    assert [s.seconds for s in pauses(stream)] == [0.03, None]

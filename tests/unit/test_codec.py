@@ -1,0 +1,230 @@
+"""Canonical JSON and the hash chain (``events/codec.py``).
+
+``canonical`` must give the same bytes for the same JSON value whatever the key order, and the same
+bytes before an insert and after PostgreSQL's ``jsonb`` gave the value back (the contract suite
+checks that against the real database; here a model of ``jsonb``'s number printing checks it
+across every float).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from decimal import Decimal
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from events import GENESIS_HASH, canonical, chain_hash
+
+text = st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=8)
+finite_floats = st.floats(allow_nan=False, allow_infinity=False)
+notable_floats = st.sampled_from(
+    [
+        0.0,
+        -0.0,
+        1e15,
+        1e16,
+        -1e16,
+        2.0**53,
+        2.0**60,
+        2.0**63,
+        -(2.0**63),
+        2.0**64,
+        -(2.0**64),
+        1e19,
+        1e20,
+        1e300,
+        1.7976931348623157e308,
+        5e-324,
+        1e-7,
+        0.1,
+        123456789012345.6,
+        9999999999999998.0,
+        7.405149907093126e17,
+    ]
+)
+numbers = st.integers(min_value=-(2**63), max_value=2**64 - 1) | finite_floats | notable_floats
+scalars = st.none() | st.booleans() | numbers | text
+json_values = st.recursive(
+    scalars,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(text, children, max_size=4),
+    max_leaves=20,
+)
+
+
+def reordered(value: Any, rng: random.Random) -> Any:
+    """The same JSON value with every object's keys inserted in another order."""
+    if isinstance(value, dict):
+        items = list(value.items())
+        rng.shuffle(items)
+        return {key: reordered(item, rng) for key, item in items}
+    if isinstance(value, list):
+        return [reordered(item, rng) for item in value]
+    return value
+
+
+def through_jsonb(value: Any) -> Any:
+    """A model of a jsonb round trip: numbers come back as ``numeric`` prints them.
+
+    jsonb parses the number orjson wrote into a ``numeric`` and prints it in positional notation
+    without an exponent (``1e+16`` → ``10000000000000000``, ``1e-7`` → ``0.0000001``,
+    ``5.0`` → ``5.0``), with no negative zero; orjson then reads that text back.
+    """
+    if isinstance(value, float):
+        written = Decimal(orjson.dumps(value).decode())
+        printed = format(abs(written) if written == 0 else written, "f")
+        return orjson.loads(printed)
+    if isinstance(value, dict):
+        return {key: through_jsonb(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [through_jsonb(item) for item in value]
+    return value
+
+
+@given(value=json_values, seed=st.integers(0, 2**32))
+def test_canonical_is_stable_under_key_order(value: Any, seed: int) -> None:
+    assert canonical(reordered(value, random.Random(seed))) == canonical(value)
+
+
+@given(value=json_values)
+def test_canonical_is_sorted_json_and_a_fixed_point(value: Any) -> None:
+    encoded = canonical(value)
+    decoded = orjson.loads(encoded)
+    assert canonical(decoded) == encoded  # reading it back and encoding again changes nothing
+    assert keys_sorted(decoded)
+
+
+def keys_sorted(value: Any) -> bool:
+    if isinstance(value, dict):
+        return list(value) == sorted(value) and all(keys_sorted(v) for v in value.values())
+    if isinstance(value, list):
+        return all(keys_sorted(v) for v in value)
+    return True
+
+
+@given(
+    value=st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | text,
+        lambda c: st.lists(c, max_size=3) | st.dictionaries(text, c, max_size=3),
+    )
+)
+def test_without_floats_canonical_is_plain_sorted_json(value: Any) -> None:
+    assert canonical(value) == orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
+@settings(max_examples=300)
+@given(value=json_values)
+def test_canonical_survives_a_jsonb_round_trip(value: Any) -> None:
+    assert canonical(through_jsonb(value)) == canonical(value)
+
+
+def test_the_model_of_jsonb_prints_numbers_as_postgresql_does() -> None:
+    # observed with SELECT '<orjson output>'::jsonb on PostgreSQL
+    assert through_jsonb(1e16) == 10_000_000_000_000_000
+    assert through_jsonb(2.0**60) == 1_152_921_504_606_847_000
+    assert through_jsonb(-0.0) == 0 and math.copysign(1, through_jsonb(-0.0)) == 1
+    assert through_jsonb(5.0) == 5.0 and isinstance(through_jsonb(5.0), float)
+    assert through_jsonb(1e-7) == 1e-7
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (1e16, b"10000000000000000"),
+        (-1e16, b"-10000000000000000"),
+        (1e19, b"10000000000000000000"),
+        # jsonb prints the digits orjson wrote, not the float's exact binary value
+        (2.0**60, b"1152921504606847000"),
+        (7.405149907093126e17, b"740514990709312600"),
+        (-0.0, b"0.0"),
+        (0.0, b"0.0"),
+        (0, b"0"),
+        (1e15, b"1000000000000000.0"),  # below 1e16 orjson writes no exponent: left alone
+        (5.0, b"5.0"),
+        (True, b"true"),
+        (1, b"1"),
+        (
+            {"b": 1, "a": [-0.0, 1e16, {"d": None, "c": 2.5}]},
+            b'{"a":[0.0,10000000000000000,{"c":2.5,"d":null}],"b":1}',
+        ),
+    ],
+)
+def test_canonical_folds_numbers_the_way_jsonb_gives_them_back(value: Any, expected: bytes) -> None:
+    assert canonical(value) == expected
+
+
+@pytest.mark.parametrize("value", [1e20, -1e20, 2.0**64, 1e300, 1.7976931348623157e308])
+def test_integral_floats_beyond_64_bits_encode_and_survive_jsonb(value: float) -> None:
+    encoded = canonical(value)  # orjson cannot encode such an int; canonical must still work
+    printed = format(Decimal(orjson.dumps(value).decode()), "f").encode()
+    assert encoded == printed
+    assert canonical(orjson.loads(printed)) == encoded  # orjson reads these digits as a float
+
+
+@pytest.mark.parametrize(
+    "value",
+    [math.nan, math.inf, -math.inf, [1, math.nan], {"a": {"b": [math.inf]}}, (math.nan,)],
+)
+def test_nan_and_infinity_are_rejected(value: Any) -> None:
+    with pytest.raises(ValueError):
+        canonical(value)
+    with pytest.raises(ValueError):
+        chain_hash(GENESIS_HASH, {"data": value})
+
+
+def test_genesis_is_32_zero_bytes() -> None:
+    assert GENESIS_HASH == bytes(32)
+
+
+@given(
+    prev=st.binary(min_size=32, max_size=32), body=st.dictionaries(text, json_values, max_size=5)
+)
+def test_chain_hash_is_sha256_of_prev_hash_and_canonical_body(
+    prev: bytes, body: dict[str, Any]
+) -> None:
+    digest = chain_hash(prev, body)
+    assert digest == hashlib.sha256(prev + canonical(body)).digest()
+    assert len(digest) == 32
+    assert chain_hash(prev, body) == digest
+
+
+@given(
+    prev=st.binary(min_size=32, max_size=32),
+    other_prev=st.binary(min_size=32, max_size=32),
+    body=st.dictionaries(text, json_values, max_size=5),
+    other=st.dictionaries(text, json_values, max_size=5),
+    seed=st.integers(0, 2**32),
+)
+def test_chain_hash_depends_on_the_value_and_the_link_not_on_key_order(
+    prev: bytes, other_prev: bytes, body: dict[str, Any], other: dict[str, Any], seed: int
+) -> None:
+    digest = chain_hash(prev, body)
+    assert chain_hash(prev, reordered(body, random.Random(seed))) == digest
+    assert chain_hash(prev, through_jsonb(body)) == digest
+    if other_prev != prev:
+        assert chain_hash(other_prev, body) != digest
+    if canonical(other) != canonical(body):
+        assert chain_hash(prev, other) != digest
+
+
+def test_a_chain_breaks_where_an_event_was_altered() -> None:
+    bodies = [{"n": n, "data": {"x": n}} for n in range(5)]
+    hashes = []
+    prev = GENESIS_HASH
+    for body in bodies:
+        prev = chain_hash(prev, body)
+        hashes.append(prev)
+    tampered = [dict(body) for body in bodies]
+    tampered[2]["data"] = {"x": 99}
+    prev = GENESIS_HASH
+    recomputed = []
+    for body in tampered:
+        prev = chain_hash(prev, body)
+        recomputed.append(prev)
+    assert recomputed[:2] == hashes[:2]
+    assert all(a != b for a, b in zip(recomputed[2:], hashes[2:], strict=True))

@@ -1,0 +1,27 @@
+"""Waystation's worker runtime: the handler API, the worker, the publisher client.
+
+Depends on ``events``; nothing depends on it but the composition root (``workers.cli``).
+"""
+
+from events import Call, CallResult, Complete, Outcome, Pause
+
+from .agent import AgentSpec, App, Handler, TaskContext
+from .client import Client, TaskResult
+from .runtime import Worker
+from .settings import Settings
+
+__all__ = [
+    "AgentSpec",
+    "App",
+    "Call",
+    "CallResult",
+    "Client",
+    "Complete",
+    "Handler",
+    "Outcome",
+    "Pause",
+    "Settings",
+    "TaskContext",
+    "TaskResult",
+    "Worker",
+]

@@ -1,0 +1,90 @@
+"""The handler API: an :class:`App` registers agents, each an async handler of one task.
+
+A handler receives a :class:`TaskContext` and returns :class:`~events.Complete` or
+:class:`~events.Pause`::
+
+    app = App()
+
+    @app.agent("orchestrator")
+    async def orchestrator(task: TaskContext) -> Outcome:
+        if not task.resumed:                     # first run
+            calls = [Call("researcher", {"x": x}) for x in task.input["xs"]]
+            return Pause(calls, update={"started": True})
+        return Complete(sum(r.value["answer"] for r in task.results))
+
+On a resume the handler gets its state back exactly as it was saved and the results of the pause
+it is resuming from, in call order. A handler may pause any number of times; ``task.pause`` says
+which pause it is resuming from (0 on the first run). Handlers never ack or publish anything
+themselves: the runtime records the outcome first and settles the message after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from events import CallResult, Outcome
+
+__all__ = ["AgentSpec", "App", "Handler", "TaskContext"]
+
+
+@dataclass(frozen=True, slots=True)
+class TaskContext:
+    """What a handler knows about the task it runs."""
+
+    task_id: str
+    agent: str
+    input: Any
+    state: Mapping[str, Any] = field(default_factory=dict)
+    """The state saved by earlier pauses. Read-only: change it with ``Pause(update=…)``."""
+    pause: int = 0
+    """The pause this run resumes from; 0 on the first run."""
+    results: Sequence[CallResult] = ()
+    """The results of that pause's calls, in call order."""
+    trace_id: str | None = None
+    root_task_id: str | None = None
+
+    @property
+    def resumed(self) -> bool:
+        return self.pause > 0
+
+
+Handler = Callable[[TaskContext], Awaitable[Outcome]]
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSpec:
+    name: str
+    handler: Handler
+    default_timeout: float | None = None
+    """Deadline of this agent's calls when a call sets none (else the global default)."""
+
+
+class App:
+    """A registry of agents; a worker serves every agent of its app."""
+
+    def __init__(self) -> None:
+        self._agents: dict[str, AgentSpec] = {}
+
+    def agent(
+        self, name: str, *, default_timeout: float | None = None
+    ) -> Callable[[Handler], Handler]:
+        """Register the decorated coroutine function as the handler of agent ``name``."""
+        if not name or any(ch.isspace() for ch in name):
+            raise ValueError(f"agent names are non-empty and without spaces: {name!r}")
+
+        def register(handler: Handler) -> Handler:
+            if name in self._agents:
+                raise ValueError(f"agent {name!r} is already registered")
+            self._agents[name] = AgentSpec(name, handler, default_timeout)
+            return handler
+
+        return register
+
+    @property
+    def agents(self) -> Mapping[str, AgentSpec]:
+        return dict(self._agents)
+
+    def __getitem__(self, name: str) -> AgentSpec:
+        return self._agents[name]

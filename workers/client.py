@@ -1,0 +1,200 @@
+"""A publisher client: submit tasks over AMQP and await their results.
+
+It speaks the plain wire format of ``workers.wire``, the same any other language would: it
+publishes to the agent's queue with a ``message_id`` (the task id), a ``correlation_id`` and a
+``reply_to`` queue of its own (``<prefix>client.<uuid>``, which survives a dropped connection),
+and matches results by correlation id. Results are delivered at
+least once; the client keeps the first per task and counts the rest in ``duplicates``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aio_pika
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustConnection,
+)
+from aiormq.abc import FieldValue
+
+from events.codec import dumps, loads
+
+from .wire import CONTENT_TYPE, HEADER_TRACE, TYPE_CANCEL, TYPE_TASK, Names
+
+__all__ = ["Client", "TaskResult"]
+
+REPLY_QUEUE_EXPIRES_MS = 30 * 60 * 1000
+
+
+@dataclass(frozen=True, slots=True)
+class TaskResult:
+    task_id: str
+    status: str
+    """``ok``, ``error`` or ``cancelled``."""
+    result: Any = None
+    error: Any = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+class Client:
+    """``async with Client(amqp_url) as client: result = await client.call("agent", input)``."""
+
+    def __init__(self, amqp_url: str, *, queue_prefix: str = "waystation.") -> None:
+        self.amqp_url = amqp_url
+        self.names = Names(queue_prefix)
+        self.duplicates = 0
+        self._connection: AbstractRobustConnection | None = None
+        self._channel: AbstractChannel | None = None
+        self._reply_queue: AbstractQueue | None = None
+        self._results: dict[str, TaskResult] = {}
+        self._waiters: dict[str, asyncio.Future[TaskResult]] = {}
+
+    async def __aenter__(self) -> Client:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        self._connection = await aio_pika.connect_robust(
+            self.amqp_url, client_properties={"connection_name": "waystation client"}
+        )
+        self._channel = await self._connection.channel(
+            publisher_confirms=True, on_return_raises=True
+        )
+        # Not exclusive: an exclusive queue dies with its connection, and every result published
+        # while the client reconnects would be unroutable and lost. This one outlives a dropped
+        # connection, is consumed again when the robust connection is restored, and is deleted
+        # by the broker after REPLY_QUEUE_EXPIRES_MS without a consumer (or by close()).
+        self._reply_queue = await self._channel.declare_queue(
+            f"{self.names.prefix}client.{uuid.uuid4()}",
+            durable=True,
+            arguments={"x-expires": REPLY_QUEUE_EXPIRES_MS},
+        )
+        await self._reply_queue.consume(self._receive)
+
+    async def close(self) -> None:
+        if self._connection is not None:
+            if self._reply_queue is not None:
+                with contextlib.suppress(Exception):
+                    await self._reply_queue.delete(if_unused=False, if_empty=False)
+            await self._connection.close()
+            self._connection = None
+
+    async def _receive(self, message: AbstractIncomingMessage) -> None:
+        try:
+            await self._on_result(message)
+        finally:
+            await message.ack()  # only once recorded: a result in flight at a drop is redelivered
+
+    @property
+    def results(self) -> dict[str, TaskResult]:
+        """Every result received so far, by task id."""
+        return dict(self._results)
+
+    async def submit(
+        self,
+        agent: str,
+        input: Any = None,
+        *,
+        task_id: str | None = None,
+        trace_id: str | None = None,
+    ) -> str:
+        """Publish a task to ``agent``; returns its task id once the broker has confirmed it."""
+        if self._channel is None or self._reply_queue is None:
+            raise RuntimeError("the client is not connected")
+        task_id = task_id or str(uuid.uuid4())
+        headers: dict[str, FieldValue] | None = {HEADER_TRACE: trace_id} if trace_id else None
+        await self._channel.default_exchange.publish(
+            aio_pika.Message(
+                dumps(input),
+                message_id=task_id,
+                correlation_id=task_id,
+                reply_to=self._reply_queue.name,
+                type=TYPE_TASK,
+                content_type=CONTENT_TYPE,
+                headers=headers,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            ),
+            routing_key=self.names.tasks(agent),
+            mandatory=True,
+        )
+        return task_id
+
+    async def cancel(
+        self,
+        agent: str,
+        task_id: str,
+        *,
+        reason: str | None = None,
+        timeout: float | None = 30.0,
+    ) -> str:
+        """Cancel ``task_id`` (a task of ``agent``) and return its status afterwards:
+        ``cancelled``, or the status it had already reached (``completed``, ``failed``).
+
+        The task's own publisher receives a ``cancelled`` result, and every peer call it was
+        waiting for is cancelled too.
+        """
+        if self._channel is None or self._reply_queue is None:
+            raise RuntimeError("the client is not connected")
+        request_id = f"cancel:{task_id}:{uuid.uuid4()}"
+        await self._channel.default_exchange.publish(
+            aio_pika.Message(
+                dumps({"task_id": task_id, "reason": reason}),
+                message_id=request_id,
+                correlation_id=request_id,
+                reply_to=self._reply_queue.name,
+                type=TYPE_CANCEL,
+                content_type=CONTENT_TYPE,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            ),
+            routing_key=self.names.tasks(agent),
+            mandatory=True,
+        )
+        answer = await self.result(request_id, timeout)
+        if not answer.ok or not isinstance(answer.result, dict):
+            raise RuntimeError(f"cancel of {task_id} failed: {answer.error}")
+        return str(answer.result.get("status"))
+
+    async def result(self, task_id: str, timeout: float | None = None) -> TaskResult:
+        """Wait for the result of ``task_id``."""
+        if task_id in self._results:
+            return self._results[task_id]
+        waiter = self._waiters.get(task_id)
+        if waiter is None:
+            waiter = self._waiters[task_id] = asyncio.get_running_loop().create_future()
+        return await asyncio.wait_for(asyncio.shield(waiter), timeout)
+
+    async def call(
+        self, agent: str, input: Any = None, *, timeout: float | None = None
+    ) -> TaskResult:
+        """Submit and wait."""
+        return await self.result(await self.submit(agent, input), timeout)
+
+    async def _on_result(self, message: AbstractIncomingMessage) -> None:
+        task_id = message.correlation_id
+        if not task_id:
+            return
+        try:
+            body = loads(message.body)
+            result = TaskResult(task_id, body["status"], body.get("result"), body.get("error"))
+        except Exception:
+            result = TaskResult(task_id, "error", error={"type": "MalformedResult"})
+        if task_id in self._results:
+            self.duplicates += 1
+            return
+        self._results[task_id] = result
+        waiter = self._waiters.pop(task_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(result)

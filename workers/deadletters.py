@@ -1,0 +1,140 @@
+"""Inspecting and replaying the dead-letter queue (what ``waystation dead-letters`` runs).
+
+A dead letter keeps its body and properties; the worker that dead-lettered it added
+``x-waystation-reason``, ``x-waystation-detail`` and ``x-waystation-queue`` (where it came from).
+Messages the broker dead-lettered by itself (the policy's delivery limit) carry RabbitMQ's
+``x-first-death-queue`` and ``x-first-death-reason`` instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aio_pika
+from aio_pika.abc import AbstractIncomingMessage
+
+from .wire import HEADER_DETAIL, HEADER_QUEUE, HEADER_REASON, Names
+
+__all__ = ["DeadLetter", "browse", "replay"]
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    message_id: str | None
+    correlation_id: str | None
+    type: str | None
+    reason: str
+    detail: str
+    queue: str | None
+    """The queue it came from, where a replay sends it back."""
+    body: bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "message_id": self.message_id,
+            "correlation_id": self.correlation_id,
+            "type": self.type,
+            "reason": self.reason,
+            "detail": self.detail,
+            "queue": self.queue,
+            "body": self.body.decode("utf-8", errors="replace"),
+        }
+
+
+def _describe(message: AbstractIncomingMessage) -> DeadLetter:
+    headers = message.headers or {}
+    reason = headers.get(HEADER_REASON) or headers.get("x-first-death-reason") or "unknown"
+    queue = headers.get(HEADER_QUEUE) or headers.get("x-first-death-queue")
+    return DeadLetter(
+        message_id=message.message_id,
+        correlation_id=message.correlation_id,
+        type=message.type,
+        reason=str(reason),
+        detail=str(headers.get(HEADER_DETAIL) or ""),
+        queue=str(queue) if queue else None,
+        body=message.body,
+    )
+
+
+async def _take(
+    amqp_url: str,
+    names: Names,
+    limit: int,
+    act: Callable[[aio_pika.abc.AbstractChannel, AbstractIncomingMessage, DeadLetter], Any],
+) -> list[DeadLetter]:
+    """Get up to ``limit`` dead letters; ``act`` returns True to ack one, else it goes back."""
+    connection = await aio_pika.connect(amqp_url)
+    seen: list[DeadLetter] = []
+    kept: list[AbstractIncomingMessage] = []
+    try:
+        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        queue = await channel.declare_queue(names.dead_letter_queue, passive=True)
+        while len(seen) < limit:
+            message = await queue.get(fail=False)
+            if message is None:
+                break
+            letter = _describe(message)
+            if await act(channel, message, letter):
+                await message.ack()
+            else:
+                kept.append(message)
+            seen.append(letter)
+    finally:
+        for message in kept:
+            await message.nack(requeue=True)
+        await connection.close()
+    return seen
+
+
+async def browse(amqp_url: str, names: Names, limit: int = 50) -> list[DeadLetter]:
+    """Up to ``limit`` dead letters, left in the queue."""
+
+    async def keep(*_: Any) -> bool:
+        return False
+
+    return await _take(amqp_url, names, limit, keep)
+
+
+async def replay(
+    amqp_url: str, names: Names, *, reason: str | None = None, limit: int = 50
+) -> list[DeadLetter]:
+    """Send dead letters (of ``reason``, if given) back to the queue they came from.
+
+    Each is republished with its body and properties, without the dead-letter headers, and
+    acked from the dead-letter queue only once the broker confirmed the republish. Returns the
+    ones replayed; the others stay in the queue.
+    """
+    replayed: list[DeadLetter] = []
+
+    async def send_back(
+        channel: aio_pika.abc.AbstractChannel, message: AbstractIncomingMessage, letter: DeadLetter
+    ) -> bool:
+        if letter.queue is None or (reason is not None and letter.reason != reason):
+            return False
+        headers = {
+            key: value
+            for key, value in (message.headers or {}).items()
+            if not key.startswith(("x-waystation-", "x-death", "x-first-death", "x-last-death"))
+            and key != "x-delivery-count"
+        }
+        await channel.default_exchange.publish(
+            aio_pika.Message(
+                message.body,
+                message_id=message.message_id,
+                correlation_id=message.correlation_id,
+                reply_to=message.reply_to,
+                type=message.type,
+                content_type=message.content_type,
+                headers=headers,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            ),
+            routing_key=letter.queue,
+            mandatory=True,
+        )
+        replayed.append(letter)
+        return True
+
+    await _take(amqp_url, names, limit, send_back)
+    return replayed

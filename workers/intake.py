@@ -1,0 +1,62 @@
+"""Checking an incoming message before anything uses it (G9).
+
+``inspect`` either returns the parsed body or a :class:`Rejection` with a machine-readable
+reason. Reasons (the ``x-waystation-reason`` header of the dead letter):
+
+==========================  ==============================================================
+``too-large``               body over ``WAYSTATION_MAX_MESSAGE_BYTES``
+``headers-too-large``       headers over ``WAYSTATION_MAX_HEADER_BYTES`` (as JSON)
+``invalid-utf8``            body is not UTF-8
+``invalid-json``            body is UTF-8 but not JSON
+``wrong-shape``             JSON, but not what this message type carries
+``missing-property``        a required AMQP property is absent (``message_id`` on a task,
+                            ``correlation_id`` on a reply)
+``unknown-message-type``    a ``type`` this queue does not take
+``malformed-correlation-id``  a reply whose correlation id names no sub-task
+``unknown-task``            a reply or progress report for a task the log does not know
+``handler-failed``          the handler raised on every allowed attempt, or returned an
+                            invalid outcome
+==========================  ==============================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aio_pika.abc import AbstractIncomingMessage
+
+__all__ = ["Rejection", "inspect"]
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    reason: str
+    detail: str
+
+
+def _header_size(headers: Any) -> int:
+    try:
+        return len(orjson.dumps(headers, default=repr))
+    except TypeError:
+        return len(repr(headers))
+
+
+def inspect(
+    message: AbstractIncomingMessage, *, max_body: int, max_headers: int
+) -> Any | Rejection:
+    """The JSON body of ``message``, or why it cannot be used."""
+    size = len(message.body)
+    if size > max_body:
+        return Rejection("too-large", f"body of {size} bytes is over the {max_body}-byte limit")
+    if message.headers and _header_size(message.headers) > max_headers:
+        return Rejection("headers-too-large", f"headers are over the {max_headers}-byte limit")
+    try:
+        message.body.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return Rejection("invalid-utf8", f"body is not UTF-8: {error}")
+    try:
+        return orjson.loads(message.body)
+    except orjson.JSONDecodeError as error:
+        return Rejection("invalid-json", f"body is not JSON: {error}")

@@ -1,0 +1,67 @@
+"""Typed settings, read from ``WAYSTATION_*`` environment variables by the composition root.
+
+Nothing reads the environment at import time: ``Settings()`` is built once, in the CLI (or a
+test), and passed down.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings"]
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Settings(BaseSettings):
+    """Every setting, its environment variable (``WAYSTATION_`` + upper-case name) and default."""
+
+    model_config = SettingsConfigDict(env_prefix="WAYSTATION_", extra="ignore")
+
+    database_url: str = "postgresql+asyncpg://postgres@127.0.0.1:5432/waystation"
+    """SQLAlchemy URL of the event log's database (asyncpg driver). Created if missing."""
+    amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    queue_prefix: str = "waystation."
+    """Prepended to every queue and exchange name; one prefix is one isolated deployment."""
+    concurrency: int = Field(default=32, ge=1)
+    """Messages a worker handles at once per queue (the consumer prefetch)."""
+    default_call_timeout: float = Field(default=300.0, gt=0)
+    """Deadline of a peer call when neither the call nor the agent sets one, in seconds."""
+    max_call_duration: float = Field(default=3600.0, gt=0)
+    """Upper bound of a call's deadline, from its dispatch, however often a peer extends it (s)."""
+    sweep_interval: float = Field(default=1.0, gt=0)
+    """How often each worker looks for calls past their deadline, in seconds."""
+    max_message_bytes: int = Field(default=1024 * 1024, ge=1)
+    """Bodies larger than this are dead-lettered as ``too-large``."""
+    max_header_bytes: int = Field(default=64 * 1024, ge=1)
+    """Headers larger than this (as JSON) are dead-lettered as ``headers-too-large``."""
+    audit_all_tasks: bool = False
+    """Record tasks that complete without calling peers too (off: they write nothing)."""
+    delivery_limit: int = Field(default=5, ge=1)
+    """Attempts of a task whose handler raises: after this many the task is recorded as failed,
+    its publisher gets an error and the message is dead-lettered. Also the broker's policy
+    ``delivery-limit``, which dead-letters a message that keeps killing its workers."""
+    broker_policy: Literal["auto", "rabbitmqctl", "none"] = "auto"
+    """How the worker applies the queue policy: ``rabbitmqctl`` on this host, or ``none`` when
+    the broker's definitions set it (compose). ``auto`` uses rabbitmqctl when it is installed."""
+    outbox_delay: float = Field(default=5.0, gt=0)
+    """Seconds before the outbox relay republishes a message its writer has not published."""
+    outbox_poll_interval: float = Field(default=1.0, gt=0)
+    db_pool_size: int = Field(default=16, ge=1)
+    """Database connections per worker; handlers wait for one when all are busy."""
+    worker_id: str = Field(default_factory=_default_worker_id)
+    shutdown_grace: float = Field(default=10.0, ge=0)
+    """Seconds in-flight messages get to reach their next commit on SIGTERM."""
+    stats_file: str | None = None
+    """Where a worker writes its checkpoint latencies and counters when it stops (benchmarks)."""
+    fault_point: str | None = None
+    """Test hook: SIGKILL the worker at this named step (see workers/faults.py)."""
+    fault_after: int = Field(default=1, ge=1)
+    """Test hook: kill on this hit of ``fault_point``."""

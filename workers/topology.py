@@ -1,0 +1,106 @@
+"""RabbitMQ topology, declared idempotently by every worker at start.
+
+Queues are durable quorum queues declared without arguments that could later need changing:
+the delivery limit and the dead-letter exchange are set by a policy, because a queue's declare
+arguments are fixed for its life while a policy can be changed at any time (and RabbitMQ 3.10
+has no default delivery limit). The policy matches every queue of the prefix except the
+dead-letter queue itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import shutil
+from collections.abc import Iterable
+
+import aio_pika
+from aio_pika.abc import AbstractChannel
+from aiormq.abc import FieldTable
+from yarl import URL
+
+from events.codec import dumps
+
+from .wire import Names
+
+__all__ = ["apply_policy", "clear_policy", "declare", "policy_definition", "vhost_of"]
+
+log = logging.getLogger(__name__)
+
+QUORUM: FieldTable = {"x-queue-type": "quorum"}
+
+
+async def declare(channel: AbstractChannel, names: Names, agents: Iterable[str]) -> None:
+    """Declare the dead-letter exchange and queue, and each agent's task and reply queues."""
+    dlx = await channel.declare_exchange(
+        names.dead_letter_exchange, aio_pika.ExchangeType.FANOUT, durable=True
+    )
+    dead = await channel.declare_queue(names.dead_letter_queue, durable=True, arguments=QUORUM)
+    await dead.bind(dlx)
+    for agent in agents:
+        await channel.declare_queue(names.tasks(agent), durable=True, arguments=QUORUM)
+        await channel.declare_queue(names.replies(agent), durable=True, arguments=QUORUM)
+
+
+def policy_definition(names: Names, delivery_limit: int) -> tuple[str, dict[str, object]]:
+    """The policy's pattern and definition (also what compose's definitions file holds)."""
+    dead = re.escape(names.dead_letter_queue)
+    pattern = f"^{re.escape(names.prefix)}(?!{dead[len(re.escape(names.prefix)) :]}$)"
+    return pattern, {
+        "delivery-limit": delivery_limit,
+        "dead-letter-exchange": names.dead_letter_exchange,
+    }
+
+
+async def _rabbitmqctl(*args: str) -> None:
+    process = await asyncio.create_subprocess_exec(
+        "rabbitmqctl", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"rabbitmqctl {args[0]} failed: {(err or out).decode().strip()}")
+
+
+def vhost_of(amqp_url: str) -> str:
+    """The virtual host an AMQP URL names (``/`` when it names none)."""
+    return URL(amqp_url).path.removeprefix("/") or "/"
+
+
+async def apply_policy(
+    names: Names, delivery_limit: int, mode: str = "auto", *, vhost: str = "/"
+) -> bool:
+    """Apply the queue policy in ``vhost``; True when applied, False when left to the broker's
+    definitions."""
+    if mode == "none":
+        return False
+    if shutil.which("rabbitmqctl") is None:
+        if mode == "rabbitmqctl":
+            raise RuntimeError(
+                "WAYSTATION_BROKER_POLICY=rabbitmqctl but rabbitmqctl is not installed"
+            )
+        log.warning(
+            "rabbitmqctl not found: the delivery-limit policy %r is not applied here; "
+            "set it in the broker's definitions (see compose/)",
+            names.policy_name,
+        )
+        return False
+    pattern, definition = policy_definition(names, delivery_limit)
+    await _rabbitmqctl(
+        "set_policy",
+        "-p",
+        vhost,
+        "--apply-to",
+        "queues",
+        "--priority",
+        "0",
+        names.policy_name,
+        pattern,
+        dumps(definition).decode(),
+    )
+    return True
+
+
+async def clear_policy(names: Names, *, vhost: str = "/") -> None:
+    if shutil.which("rabbitmqctl") is not None:
+        await _rabbitmqctl("clear_policy", "-p", vhost, names.policy_name)

@@ -1,0 +1,262 @@
+"""The wire format: queue names, message types, properties and JSON bodies.
+
+Everything a publisher or peer in another language needs is here (and in README "Wire format").
+All messages go through the default exchange (``""``) with the queue name as routing key, are
+persistent (delivery mode 2), and carry ``content_type: application/json``.
+
+Queues (``P`` is the queue prefix, ``waystation.`` by default):
+
+* ``P<agent>``          quorum queue of an agent's tasks and resumes (the consumer group)
+* ``P<agent>.replies``  quorum queue of the replies to that agent's peer calls
+* ``P dead-letter``     quorum queue behind the dead-letter exchange ``Pdlx`` (fanout)
+
+Message ``type`` property: on ``P<agent>``: ``task`` (default when absent), ``cancel``,
+``resume`` (internal); on ``P<agent>.replies``: ``result`` (default when absent), ``progress``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from events import (
+    DomainEvent,
+    OutboxMessage,
+    ResultRecorded,
+    TaskCancelled,
+    TaskCompleted,
+    TaskFailed,
+    TaskPaused,
+    TaskResumed,
+    TaskState,
+)
+from events.codec import dumps
+
+__all__ = [
+    "CONTENT_TYPE",
+    "HEADER_DETAIL",
+    "HEADER_QUEUE",
+    "HEADER_REASON",
+    "HEADER_ROOT",
+    "HEADER_TRACE",
+    "Names",
+    "ResultEnvelope",
+    "cancel_message",
+    "implied_messages",
+    "result_message",
+]
+
+CONTENT_TYPE = "application/json"
+HEADER_TRACE = "x-waystation-trace-id"
+HEADER_ROOT = "x-waystation-root-task"
+"""The root task of a call tree; a peer request carries it so every event names its root."""
+
+HEADER_REASON = "x-waystation-reason"
+"""On a dead letter: why, as a machine-readable code (README, "Dead letters")."""
+HEADER_DETAIL = "x-waystation-detail"
+HEADER_QUEUE = "x-waystation-queue"
+"""On a dead letter: the queue it came from (where a replay sends it back)."""
+
+TYPE_TASK = "task"
+TYPE_RESUME = "resume"
+TYPE_CANCEL = "cancel"
+TYPE_RESULT = "result"
+TYPE_PROGRESS = "progress"
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    """The broker names of one deployment (one queue prefix)."""
+
+    prefix: str = "waystation."
+
+    def tasks(self, agent: str) -> str:
+        return f"{self.prefix}{agent}"
+
+    def replies(self, agent: str) -> str:
+        return f"{self.prefix}{agent}.replies"
+
+    @property
+    def dead_letter_exchange(self) -> str:
+        return f"{self.prefix}dlx"
+
+    @property
+    def dead_letter_queue(self) -> str:
+        return f"{self.prefix}dead-letter"
+
+    @property
+    def policy_name(self) -> str:
+        return f"{self.prefix}defaults"
+
+
+STATUSES = ("ok", "error", "cancelled")
+
+
+@dataclass(frozen=True, slots=True)
+class ResultEnvelope:
+    """The body of a ``result`` message: a task's outcome, or a peer's reply to a call.
+
+    ``{"status": "ok", "result": <any JSON>}``,
+    ``{"status": "error", "error": {"type": "...", "message": "..."}}`` or
+    ``{"status": "cancelled", "error": {"type": "cancelled", "message": <reason>}}``.
+    """
+
+    status: Literal["ok", "error", "cancelled"]
+    result: Any = None
+    error: Any = None
+    task_id: str | None = None
+
+    def to_json(self) -> bytes:
+        body: dict[str, Any] = {"status": self.status}
+        if self.status == "ok":
+            body["result"] = self.result
+        else:
+            body["error"] = self.error
+        if self.task_id is not None:
+            body["task_id"] = self.task_id
+        return dumps(body)
+
+    @classmethod
+    def from_json(cls, payload: Any) -> ResultEnvelope:
+        if not isinstance(payload, dict) or payload.get("status") not in STATUSES:
+            raise ValueError(
+                'a result body is an object with "status": "ok", "error" or "cancelled"'
+            )
+        return cls(
+            status=payload["status"],
+            result=payload.get("result"),
+            error=payload.get("error"),
+            task_id=payload.get("task_id"),
+        )
+
+
+def _headers(state: TaskState) -> dict[str, Any]:
+    headers: dict[str, Any] = {HEADER_ROOT: state.root_id or state.task_id}
+    if state.trace_id:
+        headers[HEADER_TRACE] = state.trace_id
+    return headers
+
+
+def result_message(
+    task_id: str,
+    reply_to: str,
+    correlation_id: str | None,
+    envelope: ResultEnvelope,
+    headers: dict[str, Any] | None = None,
+) -> OutboxMessage:
+    return OutboxMessage(
+        message_id=f"{task_id}:result",
+        routing_key=reply_to,
+        body=envelope.to_json(),
+        properties={
+            "type": TYPE_RESULT,
+            "correlation_id": correlation_id or task_id,
+            "content_type": CONTENT_TYPE,
+            "headers": headers or {},
+        },
+    )
+
+
+def cancel_message(
+    names: Names, subtask_id: str, agent: str, reason: str, headers: dict[str, Any]
+) -> OutboxMessage:
+    """Tell peer ``agent`` that the call ``subtask_id`` is no longer wanted."""
+    return OutboxMessage(
+        message_id=f"{subtask_id}:cancel",
+        routing_key=names.tasks(agent),
+        body=dumps({"task_id": subtask_id, "reason": reason}),
+        properties={"type": TYPE_CANCEL, "content_type": CONTENT_TYPE, "headers": headers},
+    )
+
+
+def implied_messages(
+    names: Names, state: TaskState, events: Sequence[DomainEvent]
+) -> list[OutboxMessage]:
+    """The messages that appending ``events`` to a task in ``state`` implies (G4).
+
+    ``state`` must describe the task (its agent, origin, trace) as of these events: for a new
+    task, the state folded from the ``TaskStarted`` among them.
+    """
+    agent = state.agent or ""
+    messages: list[OutboxMessage] = []
+    for event in events:
+        if isinstance(event, TaskPaused):
+            for call in event.calls:
+                messages.append(
+                    OutboxMessage(
+                        message_id=call.subtask_id,
+                        routing_key=names.tasks(call.agent),
+                        body=dumps(call.input),
+                        properties={
+                            "type": TYPE_TASK,
+                            "correlation_id": call.subtask_id,
+                            "reply_to": names.replies(agent),
+                            "content_type": CONTENT_TYPE,
+                            "headers": _headers(state),
+                        },
+                    )
+                )
+        elif isinstance(event, TaskResumed):
+            messages.append(
+                OutboxMessage(
+                    message_id=f"{state.task_id}:resume:{event.pause}",
+                    routing_key=names.tasks(agent),
+                    body=dumps({"task_id": state.task_id, "pause": event.pause}),
+                    properties={
+                        "type": TYPE_RESUME,
+                        "content_type": CONTENT_TYPE,
+                        "headers": _headers(state),
+                    },
+                )
+            )
+        elif isinstance(event, ResultRecorded) and event.outcome == "timeout":
+            agent_of = {call.subtask_id: call.agent for call in state.calls}
+            if event.subtask_id in agent_of:
+                messages.append(
+                    cancel_message(
+                        names,
+                        event.subtask_id,
+                        agent_of[event.subtask_id],
+                        "timeout",
+                        _headers(state),
+                    )
+                )
+        elif isinstance(event, TaskCancelled):
+            for pending in event.pending:
+                messages.append(
+                    cancel_message(
+                        names,
+                        pending.subtask_id,
+                        pending.agent,
+                        event.reason or "cancelled",
+                        _headers(state),
+                    )
+                )
+            if state.reply_to:
+                envelope = ResultEnvelope(
+                    "cancelled",
+                    error={"type": "cancelled", "message": event.reason},
+                    task_id=state.task_id,
+                )
+                messages.append(
+                    result_message(
+                        state.task_id,
+                        state.reply_to,
+                        state.correlation_id,
+                        envelope,
+                        _headers(state),
+                    )
+                )
+        elif isinstance(event, (TaskCompleted, TaskFailed)) and state.reply_to:
+            envelope = (
+                ResultEnvelope("ok", result=event.result, task_id=state.task_id)
+                if isinstance(event, TaskCompleted)
+                else ResultEnvelope("error", error=event.error, task_id=state.task_id)
+            )
+            messages.append(
+                result_message(
+                    state.task_id, state.reply_to, state.correlation_id, envelope, _headers(state)
+                )
+            )
+    return messages
