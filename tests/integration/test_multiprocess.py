@@ -118,7 +118,9 @@ async def test_a_worker_whose_broker_connection_is_closed_mid_run_reconnects_and
     try:
         await start_example_workers(settings, workers)
         async with RecordingClient(settings.amqp_url, queue_prefix=settings.queue_prefix) as client:
-            inputs = fanout_inputs("mp", tasks, K, (20.0, 50.0), seed)
+            # 5 slow tasks: rabbitmqctl takes a second or more to start, and on a fast machine
+            # the rest of the run can be over by the time the connection closes
+            inputs = fanout_inputs("mp", tasks, K, (20.0, 50.0), seed, slow=5, slow_ms=8000.0)
             task_ids = list(inputs)
             await asyncio.gather(
                 *(client.submit("orchestrator", inputs[t], task_id=t) for t in task_ids)
@@ -133,6 +135,7 @@ async def test_a_worker_whose_broker_connection_is_closed_mid_run_reconnects_and
                 f"waystation worker {socket.gethostname()}-{victim.pid}"
             )
             assert closed == 1, f"closed {closed} connections of the victim"
+            assert len(client.results) < tasks, "the run was over when the connection closed"
             assert paused > 0, "no task was paused when the connection closed: this proves nothing"
             await settle_run(settings, store, client, task_ids, logs, within=120)
             # the victim came back: it consumes again
