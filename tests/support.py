@@ -156,7 +156,8 @@ async def running_worker(
 
 
 class WorkerProcess:
-    """A real worker subprocess (``python -m workers.cli worker``) of the example app."""
+    """A real worker subprocess (``python -m workers.cli worker``) of the example app, or of
+    another ``waystation`` command given as ``command`` (``["projections", "run"]``, say)."""
 
     def __init__(
         self,
@@ -165,9 +166,11 @@ class WorkerProcess:
         app: str = "workers.example:app",
         env: dict[str, str] | None = None,
         log_path: Path | None = None,
+        command: Sequence[str] | None = None,
     ) -> None:
         self.settings = settings
         self.app = app
+        self.command = list(command) if command is not None else ["worker", "--app", app]
         self.extra_env = env or {}
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
@@ -190,7 +193,7 @@ class WorkerProcess:
         environment.update(self.extra_env)
         self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "workers.cli", "worker", "--app", self.app],
+            [sys.executable, "-m", "workers.cli", *self.command],
             env=environment,
             stdout=self._log,
             stderr=self._log,

@@ -54,6 +54,12 @@ class Settings(BaseSettings):
     outbox_delay: float = Field(default=5.0, gt=0)
     """Seconds before the outbox relay republishes a message its writer has not published."""
     outbox_poll_interval: float = Field(default=1.0, gt=0)
+    projection_batch_size: int = Field(default=1000, ge=1)
+    """Events a projection runner applies per transaction."""
+    projection_poll_interval: float = Field(default=1.0, gt=0)
+    """How often an active projection runner looks at the log without a notification (s)."""
+    projection_standby_interval: float = Field(default=1.0, gt=0)
+    """How often a standby runner tries to take over a projection; bounds the failover time (s)."""
     db_pool_size: int = Field(default=16, ge=1)
     """Database connections per worker; handlers wait for one when all are busy."""
     worker_id: str = Field(default_factory=_default_worker_id)

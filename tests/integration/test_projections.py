@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +36,7 @@ from events import (
     fold,
     parse,
 )
+from events.codec import loads
 from events.postgres import PostgresEventStore
 from events.simulation import simulate
 from projections.model import UNKNOWN_AGENT, AgentCounts
@@ -46,8 +49,17 @@ from projections.postgres import (
     projection_status,
     rebuild,
 )
+from workers.settings import Settings
 
-from ..support import Services, eventually, fresh_database_url
+from ..support import (
+    Services,
+    WorkerProcess,
+    eventually,
+    fresh_database_url,
+    log_lines,
+    worker_logs,
+)
+from .test_cli import run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -263,3 +275,136 @@ async def test_status_reports_how_far_behind_each_projection_is(
     assert (statuses["agent_stats"].behind, statuses["agent_stats"].events) == (0, events)
     assert statuses["agent_stats"].lag_seconds == 0
     assert statuses["paused_tasks"].behind == events
+
+
+def _runner_process(settings: Settings, tmp_path: Path, name: str) -> WorkerProcess:
+    return WorkerProcess(
+        settings,
+        command=["projections", "run"],
+        env={
+            "WAYSTATION_PROJECTION_STANDBY_INTERVAL": "0.5",
+            "WAYSTATION_PROJECTION_POLL_INTERVAL": "0.2",
+            "WAYSTATION_PROJECTION_BATCH_SIZE": "50",
+        },
+        log_path=tmp_path / f"{name}.log",
+    )
+
+
+ACTIVE = "projection paused_tasks: this runner is active"
+
+
+@pytest.mark.timeout(120)
+async def test_killing_the_active_runner_hands_its_projection_to_another_instance(
+    log_db: tuple[PostgresEventStore, AsyncEngine], settings: Settings, tmp_path: Path
+) -> None:
+    store, engine = log_db
+    settings = settings.model_copy(
+        update={"database_url": store.engine.url.render_as_string(False)}
+    )
+    runners = [_runner_process(settings, tmp_path, f"runner-{i}") for i in range(2)]
+    logs = worker_logs(runners)
+    seed = random.randrange(2**32)
+    try:
+        for runner in runners:
+            runner.start()
+        await eventually(lambda: bool(log_lines(runners, ACTIVE)), 30, "an active runner")
+        (active,) = [r for r in runners if log_lines([r], ACTIVE)]
+        (standby,) = [r for r in runners if r is not active]
+        writing = asyncio.create_task(
+            simulate(store, tasks=300, writers=4, seed=seed, leave_paused=0.15)
+        )
+        await eventually(
+            lambda: _applied_some(engine), 30, "the active runner to apply some events"
+        )
+        assert not writing.done(), "the writers were done before the kill: proves nothing"
+        active.kill()
+        killed = time.monotonic()
+        await eventually(lambda: bool(log_lines([standby], ACTIVE)), 10, f"a takeover\n{logs()}")
+        took = time.monotonic() - killed
+        tasks = await writing
+        await _until_caught_up(engine)
+    finally:
+        for runner in runners:
+            runner.terminate(timeout=15)
+
+    streams = await _streams(store, [t.task_id for t in tasks])
+    assert await _paused_rows(engine) == _expected_paused(streams), f"seed {seed}\n{logs()}"
+    assert await agent_stats(engine) == _expected_stats(streams), f"seed {seed}"
+    for projection in PROJECTIONS.values():
+        assert (await rebuild(engine, projection, check_only=True)).identical, f"seed {seed}"
+    print(f"seed {seed}: the standby took over {took:.2f}s after the kill")
+
+
+async def _applied_some(engine: AsyncEngine) -> bool:
+    return any(s.events > 0 for s in await projection_status(engine))
+
+
+async def test_the_cli_lists_paused_tasks_statistics_and_checks_a_rebuild(
+    log_db: tuple[PostgresEventStore, AsyncEngine], settings: Settings
+) -> None:
+    store, engine = log_db
+    settings = settings.model_copy(
+        update={"database_url": store.engine.url.render_as_string(False)}
+    )
+    tasks = await simulate(store, tasks=40, writers=2, seed=11, leave_paused=0.3)
+    streams = await _streams(store, [t.task_id for t in tasks])
+    behind = sum(len(e) for e in streams.values())
+
+    shown = await asyncio.to_thread(run_cli, settings, "projections", "status", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert {p["name"]: p["behind"] for p in loads(shown.stdout)} == {
+        "paused_tasks": behind,
+        "agent_stats": behind,
+    }
+    async with engine.connect() as connection:
+        for projection in PROJECTIONS.values():
+            await catch_up(connection, projection)
+
+    expected = _expected_paused(streams)
+    listed = await asyncio.to_thread(run_cli, settings, "tasks", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = loads(listed.stdout)
+    assert {r["task_id"]: (r["agent"], r["pause"], r["status"]) for r in rows} == {
+        t: (row["agent"], row["pause"], row["status"]) for t, row in expected.items()
+    }
+    table = await asyncio.to_thread(run_cli, settings, "tasks", "--agent", "planner")
+    planner = [t for t, row in expected.items() if row["agent"] == "planner"]
+    assert sorted(line.split()[0] for line in table.stdout.splitlines()[1:]) == sorted(planner)
+
+    stats = await asyncio.to_thread(run_cli, settings, "status", "--json")
+    assert stats.returncode == 0, stats.stderr
+    report = loads(stats.stdout)
+    want = _expected_stats(streams)
+    assert {a: v["completed"] for a, v in report["agents"].items()} == {
+        a: c.completed for a, c in want.items()
+    }
+    assert all(p["behind"] == 0 for p in report["projections"])
+    readable = await asyncio.to_thread(run_cli, settings, "status")
+    assert readable.stdout.splitlines()[0].split() == [
+        "agent",
+        "completed",
+        "failed",
+        "cancelled",
+        "paused",
+        "timeouts",
+        "mean",
+        "pause",
+    ]
+
+    checked = await asyncio.to_thread(
+        run_cli, settings, "projections", "rebuild", "paused_tasks", "--check"
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "the live table matches the rebuild" in checked.stdout
+    async with engine.connect() as connection:
+        await connection.execute(text("UPDATE paused_tasks SET pause = pause + 1"))
+        await connection.commit()
+    damaged = await asyncio.to_thread(
+        run_cli, settings, "projections", "rebuild", "paused_tasks", "--check", "--json"
+    )
+    assert damaged.returncode == 1
+    difference = loads(damaged.stdout)["differences"][0]
+    assert (difference["only_live"], difference["only_rebuilt"]) == (len(expected),) * 2
+    repaired = await asyncio.to_thread(run_cli, settings, "projections", "rebuild", "paused_tasks")
+    assert repaired.returncode == 0 and "now holds the rebuilt rows" in repaired.stdout
+    assert await _paused_rows(engine) == expected
