@@ -19,9 +19,10 @@ import asyncio
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .model import DomainEvent, EventMetadata, NewEvent, TaskStarted
+from .chain import chain
+from .model import DomainEvent, EventMetadata, NewEvent, RecordedEvent, TaskStarted
 from .store import EventStore
 from .task import (
     Call,
@@ -50,6 +51,7 @@ class SimulatedTask:
     task_id: str
     agent: str
     steps: int = 0
+    recorded: list[RecordedEvent] = field(default_factory=list)
     state: TaskState | None = None
     """The task's state after its last append (None before the first)."""
 
@@ -61,19 +63,33 @@ class _Writer:
         self.prefix = prefix
         self.metadata = EventMetadata(worker_id=prefix, deployment=deployment)
 
-    async def _append(self, state: TaskState, events: Sequence[DomainEvent], key: str) -> None:
+    async def _append(
+        self, task: SimulatedTask, state: TaskState, events: Sequence[DomainEvent], key: str
+    ) -> None:
+        """Append at the version read and keep the stream as recorded (no re-read: the writer
+        owns the task, and the links are the ones every backend computes)."""
         metadata = self.metadata.model_copy(
             update={"causation_id": key, "correlation_id": state.task_id}
         )
-        await self.store.append(
-            state.task_id,
-            state.version,
-            [
-                NewEvent.of(event_id(state.task_id, key, i), e, metadata)
-                for i, e in enumerate(events)
-            ],
-            prev_hash=state.last_hash,
-        )
+        new = [
+            NewEvent.of(event_id(state.task_id, key, i), e, metadata) for i, e in enumerate(events)
+        ]
+        await self.store.append(state.task_id, state.version, new, prev_hash=state.last_hash)
+        links = chain(state.task_id, state.version, new, state.last_hash)
+        task.recorded += [
+            RecordedEvent(
+                stream_id=state.task_id,
+                stream_version=version,
+                event_id=event.event_id,
+                event_type=event.event_type,
+                data=event.data,
+                metadata=event.metadata,
+                schema_version=event.schema_version,
+                prev_hash=previous,
+                hash=digest,
+            )
+            for event, (version, previous, digest) in zip(new, links, strict=True)
+        ]
 
     async def step(self, task: SimulatedTask) -> bool:
         """Take one step of ``task``'s lifecycle; False once it is over."""
@@ -113,8 +129,8 @@ class _Writer:
         else:
             return False
         if events:
-            await self._append(state, events, key)
-        task.state = fold(task.task_id, await self.store.read_stream(task.task_id))
+            await self._append(task, state, events, key)
+        task.state = fold(task.task_id, task.recorded)
         return not task.state.finished
 
     def _pause(self) -> Pause:

@@ -137,8 +137,17 @@ _TRY_LOCK = text("SELECT pg_try_advisory_lock(:namespace, hashtext(:name))")
 
 
 def create_engine(url: str, *, pool_size: int = 4) -> AsyncEngine:
-    """An engine for runners and readers of projections (transactions, read committed)."""
-    return create_async_engine(url, pool_size=pool_size, max_overflow=0)
+    """An engine for runners and readers of projections (transactions, read committed).
+
+    JIT compilation is off for its sessions: the feed query's cost estimate triggers it, and
+    compiling took ~280 ms of a 350 ms batch of 10,000 events (measured, PostgreSQL 15).
+    """
+    return create_async_engine(
+        url,
+        pool_size=pool_size,
+        max_overflow=0,
+        connect_args={"server_settings": {"jit": "off"}},
+    )
 
 
 def _feed_event(row: Any) -> FeedEvent:

@@ -60,6 +60,7 @@ from _bench import (
     wait_for_consumers,
     with_database,
 )
+from _bench.rebuild import rebuild_benchmark
 
 import migrations
 from workers.client import Client
@@ -102,6 +103,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=120.0,
         help="seconds to wait for any one result before giving up",
+    )
+    parser.add_argument(
+        "--rebuild-events",
+        type=int,
+        default=200_000,
+        help="events in the log of the projection-rebuild benchmark; 0 skips it",
+    )
+    parser.add_argument(
+        "--rebuild-only",
+        action="store_true",
+        help="only the projection-rebuild benchmark, not the worker sessions",
     )
     parser.add_argument(
         "--json", default="bench-results/latest.json", help="where to write results"
@@ -446,8 +458,21 @@ class Bench:
             f"load {machine['loadavg_at_start'][0]:.2f}",
             flush=True,
         )
-        runs = [await self.run(index + 1) for index in range(a.runs)]
-        return summarise(a, runs, machine)
+        summary: dict[str, Any] = {"machine": machine}
+        if not a.rebuild_only:
+            runs = [await self.run(index + 1) for index in range(a.runs)]
+            summary = summarise(a, runs, machine)
+        if a.rebuild_events:
+            rebuilt = await rebuild_benchmark(self.admin_url, a.rebuild_events, a.runs)
+            summary["projection_rebuild"] = rebuilt
+            print()
+            for name, rates in rebuilt["events_per_second"].items():
+                print(
+                    f"projection rebuild {name}: {rates['median']:,.0f} events/s median over "
+                    f"{len(rates['runs'])} run(s) of {rebuilt['events']} events "
+                    f"({', '.join(f'{r:,.0f}' for r in rates['runs'])})"
+                )
+        return summary
 
 
 async def _busy_cores(seconds: float) -> float:
