@@ -46,6 +46,7 @@ from .task import (
     parse_subtask_id,
     subtask_id,
 )
+from .upcasting import UpcastError, Upcasters
 
 __all__ = [
     "GENESIS_HASH",
@@ -82,6 +83,8 @@ __all__ = [
     "TaskStarted",
     "TaskState",
     "UnknownEvent",
+    "UpcastError",
+    "Upcasters",
     "VersionConflict",
     "apply_delta",
     "canonical",

@@ -4,18 +4,22 @@ Every event of a task's stream is a frozen pydantic model below. The log stores 
 :class:`NewEvent` (what a writer appends) and hands it back as a :class:`RecordedEvent` (with its
 stream version, global position, transaction id and hash). Data and metadata travel as plain
 JSON-compatible dicts inside the envelopes; :func:`parse` turns a recorded event back into its
-model. An event type this code does not know is kept as it is and parses to :class:`UnknownEvent`,
-never dropped.
+model, upcast first when it was stored under an older schema version (:mod:`events.upcasting`).
+An event this code cannot read (an unknown type, a schema version newer than it knows) is kept as
+it is and parses to :class:`UnknownEvent`, never dropped.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
+
+from .upcasting import BUILTIN, UpcastError, Upcasters
 
 __all__ = [
     "CancelledCall",
@@ -167,12 +171,19 @@ class ReplyIgnored(DomainEvent):
 
 
 class UnknownEvent(DomainEvent):
-    """An event type this code does not know; kept verbatim so nothing is lost on read."""
+    """An event this code cannot read; kept verbatim so nothing is lost on read.
+
+    Either its type is unknown, or its type is known but its stored schema version cannot be
+    brought to the current one (see :mod:`events.upcasting`): then ``reason`` says why and
+    ``stored_version`` is the version it was written with.
+    """
 
     event_type: ClassVar[str] = "?"
     audit_only: ClassVar[bool] = True
     type_name: str
     data: dict[str, JSON]
+    reason: Literal["unknown-type", "newer-version", "missing-upcaster"] = "unknown-type"
+    stored_version: int | None = None
 
 
 _EVENT_TYPES: dict[str, type[DomainEvent]] = {
@@ -284,9 +295,30 @@ def hash_body(
     }
 
 
-def parse(event: RecordedEvent) -> DomainEvent:
-    """The domain event inside a recorded one; unknown types come back as :class:`UnknownEvent`."""
-    cls = _EVENT_TYPES.get(event.event_type)
+def parse(
+    event: RecordedEvent,
+    *,
+    types: Mapping[str, type[DomainEvent]] | None = None,
+    upcasters: Upcasters | None = None,
+) -> DomainEvent:
+    """The domain event inside a recorded one, upcast from its stored schema version.
+
+    ``types`` and ``upcasters`` default to the built-in event types and their upcasters. An
+    unknown type, or a stored version the upcasters cannot bring to the current one, comes back
+    as :class:`UnknownEvent` with its data; invalid data raises pydantic's ``ValidationError``.
+    """
+    cls = (_EVENT_TYPES if types is None else types).get(event.event_type)
     if cls is None:
         return UnknownEvent(type_name=event.event_type, data=event.data)
-    return cls.model_validate(event.data)
+    try:
+        data = (BUILTIN if upcasters is None else upcasters).upcast(
+            event.event_type, event.data, stored=event.schema_version, current=cls.schema_version
+        )
+    except UpcastError as error:
+        return UnknownEvent(
+            type_name=event.event_type,
+            data=event.data,
+            reason=error.reason,
+            stored_version=event.schema_version,
+        )
+    return cls.model_validate(data)

@@ -6,15 +6,23 @@ the invariants of the task's state machine (DESIGN.md §6): a sub-task is claime
 (G2), a pause is resumed at most once and only after every one of its calls has a result (G3),
 every result follows its claim, and nothing but audit-only events follows a terminal event.
 
+``verify_stream`` also checks part of a stream (``partial=True``, e.g. a position range of an
+export): the chain is then anchored at the first event's stored ``prev_hash``, and an invariant is
+checked only where the events it needs are there, that is for the pauses whose ``TaskPaused`` is
+among them. Events whose values were redacted (``redacted_versions``) keep their links and
+invariants checked, but their content hash cannot be recomputed: it covers the secret.
+
 ``timeline`` turns the stream into one readable entry per event, with how long each pause lasted.
+
+``state_as_of`` is what ``events.task.fold`` said about a task at a past position or time.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from events.codec import GENESIS_HASH, canonical, chain_hash
@@ -34,12 +42,15 @@ from events.model import (
     UnknownEvent,
     parse,
 )
+from events.task import TaskState, fold
 
 __all__ = [
+    "PastState",
     "PauseSpan",
     "Problem",
     "TimelineEntry",
     "pauses",
+    "state_as_of",
     "timeline",
     "verify_stream",
 ]
@@ -54,7 +65,9 @@ class Problem:
     kind: str
     """``version-gap``, ``broken-link``, ``hash-mismatch``, ``unreadable``, ``double-claim``,
     ``double-result``, ``result-without-claim``, ``double-resume``, ``early-resume``,
-    ``after-terminal`` or ``foreign-event``."""
+    ``after-terminal``, ``foreign-event``, ``unsupported-version`` (a schema version this code
+    cannot read, see ``events.upcasting``: its invariants could not be checked), or, in an
+    export only, ``bad-redaction`` (see ``projections.export``)."""
     message: str
 
     def __str__(self) -> str:
@@ -76,19 +89,32 @@ def _parsed(event: RecordedEvent) -> DomainEvent | None:
         return None
 
 
-def verify_stream(events: Sequence[RecordedEvent]) -> list[Problem]:
-    """Everything wrong with one stream's events (in version order); empty when it verifies."""
+def verify_stream(
+    events: Sequence[RecordedEvent],
+    *,
+    partial: bool = False,
+    redacted_versions: Set[int] = frozenset(),
+) -> list[Problem]:
+    """Everything wrong with one stream's events (in version order); empty when it verifies.
+
+    ``partial``: the events may start after version 1 (the module docstring says what is then
+    checked). ``redacted_versions``: the versions whose content hash is not checked.
+    """
     problems: list[Problem] = []
     if not events:
         return problems
     stream_id = events[0].stream_id
-    expected_version = 1
-    previous_hash = GENESIS_HASH
+    expected_version = events[0].stream_version if partial else 1
+    previous_hash = events[0].prev_hash if partial else GENESIS_HASH
     calls_of_pause: dict[int, tuple[str, ...]] = {}
     claimed: set[str] = set()
     results: set[str] = set()
     resumed: set[int] = set()
     terminal: RecordedEvent | None = None
+
+    def seen(pause: int) -> bool:
+        """Whether every event of ``pause`` from its TaskPaused on is among ``events``."""
+        return not partial or pause in calls_of_pause
 
     for event in events:
         version = event.stream_version
@@ -107,22 +133,31 @@ def verify_stream(events: Sequence[RecordedEvent]) -> list[Problem]:
                 f"prev_hash {event.prev_hash.hex()[:16]}… does not link to the previous event's "
                 f"hash {previous_hash.hex()[:16]}…",
             )
-        try:
-            computed = chain_hash(event.prev_hash, event.hash_body())
-        except (TypeError, ValueError) as error:
-            problem("hash-mismatch", f"{event.event_type} cannot be hashed: {error}")
-        else:
-            if computed != event.hash:
-                problem(
-                    "hash-mismatch",
-                    f"{event.event_type}: stored hash {event.hash.hex()[:16]}… does not match "
-                    f"its content (computed {computed.hex()[:16]}…)",
-                )
         previous_hash = event.hash
+        if version not in redacted_versions:
+            try:
+                computed = chain_hash(event.prev_hash, event.hash_body())
+            except (TypeError, ValueError) as error:
+                problem("hash-mismatch", f"{event.event_type} cannot be hashed: {error}")
+            else:
+                if computed != event.hash:
+                    problem(
+                        "hash-mismatch",
+                        f"{event.event_type}: stored hash {event.hash.hex()[:16]}… does not "
+                        f"match its content (computed {computed.hex()[:16]}…)",
+                    )
 
         parsed = _parsed(event)
         if parsed is None:
-            problem("unreadable", f"{event.event_type} data does not parse: {event.data!r}")
+            if version not in redacted_versions:  # a redaction may replace a field it needs
+                problem("unreadable", f"{event.event_type} data does not parse: {event.data!r}")
+            continue
+        if isinstance(parsed, UnknownEvent) and parsed.reason != "unknown-type":
+            problem(
+                "unsupported-version",
+                f"{event.event_type} schema v{event.schema_version} cannot be read by this code "
+                f"({parsed.reason}); its invariants were not checked",
+            )
             continue
         if terminal is not None and not type(parsed).audit_only:
             problem(
@@ -140,7 +175,7 @@ def verify_stream(events: Sequence[RecordedEvent]) -> list[Problem]:
                 problem("double-claim", f"{parsed.subtask_id} claimed a second time")
             claimed.add(parsed.subtask_id)
         elif isinstance(parsed, ResultRecorded):
-            if parsed.subtask_id not in claimed:
+            if parsed.subtask_id not in claimed and seen(parsed.pause):
                 problem(
                     "result-without-claim",
                     f"result for {parsed.subtask_id} with no SubtaskClaimed before it",
@@ -153,7 +188,8 @@ def verify_stream(events: Sequence[RecordedEvent]) -> list[Problem]:
                 problem("double-resume", f"pause #{parsed.pause} resumed a second time")
             resumed.add(parsed.pause)
             if parsed.pause not in calls_of_pause:
-                problem("early-resume", f"resumed pause #{parsed.pause}, which never paused")
+                if seen(parsed.pause):
+                    problem("early-resume", f"resumed pause #{parsed.pause}, which never paused")
             else:
                 missing = [s for s in calls_of_pause[parsed.pause] if s not in results]
                 if missing:
@@ -294,7 +330,12 @@ def _summary(event: RecordedEvent, parsed: DomainEvent | None, span: PauseSpan |
         outcome = f" {parsed.outcome}" if parsed.outcome else ""
         return f"ignored {parsed.reason}{outcome} reply for {parsed.subtask_id}"
     if isinstance(parsed, UnknownEvent):
-        return f"event of unknown type {parsed.type_name}"
+        if parsed.reason == "unknown-type":
+            return f"event of unknown type {parsed.type_name}"
+        return (
+            f"{parsed.type_name} of schema v{parsed.stored_version}, which this code cannot "
+            f"read ({parsed.reason})"
+        )
     return event.event_type
 
 
@@ -324,3 +365,87 @@ def timeline(events: Sequence[RecordedEvent]) -> list[TimelineEntry]:
             )
         )
     return entries
+
+
+# ---- state as of a past point --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PastState:
+    """A task's state folded from its events up to a point: a position, a time, or both."""
+
+    state: TaskState
+    last_event: RecordedEvent | None
+    """The last event included (None when none is at or before the point)."""
+    position: int | None = None
+    at: datetime | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        state, last = self.state, self.last_event
+        return {
+            "task_id": state.task_id,
+            "as_of": {"position": self.position, "at": _iso(self.at)},
+            "last_event": None
+            if last is None
+            else {
+                "version": last.stream_version,
+                "event_type": last.event_type,
+                "global_position": last.global_position,
+                "recorded_at": _iso(last.recorded_at),
+            },
+            "status": state.status,
+            "agent": state.agent,
+            "pause": state.pause,
+            "version": state.version,
+            "state": dict(state.state),
+            "outstanding": [
+                {
+                    "subtask_id": call.subtask_id,
+                    "agent": call.agent,
+                    "deadline_at": call.deadline_at,
+                    "input": call.input,
+                }
+                for call in state.outstanding
+            ],
+            "results": [
+                {
+                    "subtask_id": result.subtask_id,
+                    "agent": result.agent,
+                    "outcome": result.outcome,
+                    "value": result.value,
+                    "error": result.error,
+                }
+                for result in state.results.values()
+            ],
+            "result": state.result,
+            "error": state.error,
+        }
+
+
+def state_as_of(
+    task_id: str,
+    events: Sequence[RecordedEvent],
+    *,
+    position: int | None = None,
+    at: datetime | None = None,
+) -> PastState:
+    """``fold`` of the task's events with ``global_position <= position`` and ``recorded_at <=
+    at`` (each bound only when given; a naive ``at`` is taken as UTC).
+
+    ``recorded_at`` is when the writing transaction started, so a time names what had been
+    decided by then, not what was visible at that instant.
+    """
+    if at is not None and at.tzinfo is None:
+        at = at.replace(tzinfo=UTC)
+    included = [
+        event
+        for event in events
+        if (position is None or event.global_position <= position)
+        and (at is None or (event.recorded_at is not None and event.recorded_at <= at))
+    ]
+    return PastState(
+        state=fold(task_id, included),
+        last_event=included[-1] if included else None,
+        position=position,
+        at=at,
+    )

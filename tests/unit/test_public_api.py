@@ -42,6 +42,8 @@ EVENTS_API = [
     "TaskStarted",
     "TaskState",
     "UnknownEvent",
+    "UpcastError",
+    "Upcasters",
     "VersionConflict",
     "apply_delta",
     "canonical",
