@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import click
 import orjson
 import pytest
 
@@ -35,11 +36,49 @@ def run_cli(
     )
 
 
+COMMANDS = [
+    ("worker",),
+    ("submit",),
+    ("cancel",),
+    ("dead-letters", "list"),
+    ("dead-letters", "replay"),
+    ("verify",),
+    ("history",),
+    ("export",),
+    ("state",),
+    ("tasks",),
+    ("status",),
+    ("projections", "run"),
+    ("projections", "status"),
+    ("projections", "rebuild"),
+    ("db", "upgrade"),
+]
+
+
 def test_help_names_every_command(settings: Settings) -> None:
     shown = run_cli(settings, "--help")
     assert shown.returncode == 0
-    for command in ("worker", "submit", "cancel", "dead-letters", "verify", "history", "db"):
-        assert command in shown.stdout
+    listed = {line.split()[0] for line in shown.stdout.split("Commands:")[1].splitlines() if line}
+    assert listed == {command[0] for command in COMMANDS}
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_every_command_explains_itself_and_each_of_its_options(
+    settings: Settings, command: tuple[str, ...]
+) -> None:
+    from workers.cli import main
+
+    shown = run_cli(settings, *command, "--help")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith(f"Usage: waystation {' '.join(command)}")
+    found = main
+    for name in command:
+        found = found.commands[name]  # type: ignore[attr-defined]
+    assert found.help, f"{command} has no description"
+    for option in found.params:
+        if isinstance(option, click.Option):
+            assert option.help, f"{' '.join(command)} {option.opts[0]} has no help text"
+            assert option.opts[0] in shown.stdout
 
 
 async def test_db_upgrade_creates_a_missing_database_with_the_log(
