@@ -373,26 +373,10 @@ async def export_log(
 # ---- verifying an export -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Note:
-    """Something an auditor should know about an export that is not a problem in itself."""
-
-    stream_id: str
-    stream_version: int
-    kind: str
-    """``partial-stream``: the file holds the stream from ``stream_version`` on only."""
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.stream_id} v{self.stream_version}: {self.kind}: {self.message}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "stream_id": self.stream_id,
-            "stream_version": self.stream_version,
-            "kind": self.kind,
-            "message": self.message,
-        }
+Note = Problem
+"""Something an auditor should know about an export that is not a problem in itself; shaped
+like a :class:`~projections.audit.Problem`. Kind ``partial-stream``: the file holds the stream
+from ``stream_version`` on only."""
 
 
 @dataclass(frozen=True, slots=True)
