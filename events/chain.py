@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .codec import chain_hash
-from .model import NewEvent, hash_body
+from .model import NewEvent, RecordedEvent, hash_body
 
-__all__ = ["chain"]
+__all__ = ["chain", "recorded_events"]
 
 
 def chain(
@@ -33,3 +33,34 @@ def chain(
         links.append((version, previous, digest))
         previous = digest
     return links
+
+
+def recorded_events(
+    stream_id: str,
+    expected_version: int,
+    events: Sequence[NewEvent],
+    prev_hash: bytes,
+    *,
+    tx_id: int = 0,
+    first_position: int = 0,
+) -> list[RecordedEvent]:
+    """The events of an append as the log holds them once it commits: chained, versioned, and
+    numbered from ``first_position`` (0: positions not known, as for a writer's own copy)."""
+    return [
+        RecordedEvent(
+            stream_id=stream_id,
+            stream_version=version,
+            event_id=event.event_id,
+            event_type=event.event_type,
+            data=event.data,
+            metadata=event.metadata,
+            schema_version=event.schema_version,
+            prev_hash=previous,
+            hash=digest,
+            global_position=first_position + offset if first_position else 0,
+            tx_id=tx_id,
+        )
+        for offset, (event, (version, previous, digest)) in enumerate(
+            zip(events, chain(stream_id, expected_version, events, prev_hash), strict=True)
+        )
+    ]

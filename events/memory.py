@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .chain import chain
+from .chain import recorded_events
 from .codec import GENESIS_HASH, dumps, loads
 from .errors import IntegrityError, VersionConflict
 from .model import NewEvent, RecordedEvent
@@ -82,26 +82,18 @@ class InMemoryEventStore(EventStore):
             raise IntegrityError("an event id of this append is already in the log")
         self.transactions += 1
         tx_id = self.transactions
-        recorded: list[RecordedEvent] = []
-        for event, (version, previous, digest) in zip(
-            events, chain(stream_id, expected_version, events, prev_hash), strict=True
-        ):
-            recorded.append(
-                RecordedEvent(
-                    stream_id=stream_id,
-                    stream_version=version,
-                    event_id=event.event_id,
-                    event_type=event.event_type,
-                    # a copy through JSON, as a database would store it: no aliasing with the caller
-                    data=loads(dumps(event.data)),
-                    metadata=loads(dumps(event.metadata)),
-                    schema_version=event.schema_version,
-                    prev_hash=previous,
-                    hash=digest,
-                    global_position=len(self._all) + len(recorded) + 1,
-                    tx_id=tx_id,
-                )
+        recorded = [
+            # a copy through JSON, as a database would store it: no aliasing with the caller
+            dataclasses.replace(e, data=loads(dumps(e.data)), metadata=loads(dumps(e.metadata)))
+            for e in recorded_events(
+                stream_id,
+                expected_version,
+                events,
+                prev_hash,
+                tx_id=tx_id,
+                first_position=len(self._all) + 1,
             )
+        ]
         self._streams[stream_id] = stream + recorded
         self._all.extend(recorded)
         self._event_ids.update((e.event_id, e) for e in recorded)

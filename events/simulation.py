@@ -21,7 +21,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .chain import chain
+from .chain import recorded_events
 from .model import DomainEvent, EventMetadata, NewEvent, RecordedEvent, TaskStarted
 from .store import EventStore
 from .task import (
@@ -75,21 +75,7 @@ class _Writer:
             NewEvent.of(event_id(state.task_id, key, i), e, metadata) for i, e in enumerate(events)
         ]
         await self.store.append(state.task_id, state.version, new, prev_hash=state.last_hash)
-        links = chain(state.task_id, state.version, new, state.last_hash)
-        task.recorded += [
-            RecordedEvent(
-                stream_id=state.task_id,
-                stream_version=version,
-                event_id=event.event_id,
-                event_type=event.event_type,
-                data=event.data,
-                metadata=event.metadata,
-                schema_version=event.schema_version,
-                prev_hash=previous,
-                hash=digest,
-            )
-            for event, (version, previous, digest) in zip(new, links, strict=True)
-        ]
+        task.recorded += recorded_events(state.task_id, state.version, new, state.last_hash)
 
     async def step(self, task: SimulatedTask) -> bool:
         """Take one step of ``task``'s lifecycle; False once it is over."""
