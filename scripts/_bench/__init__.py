@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,6 +36,7 @@ __all__ = [
     "broker_counters",
     "database_counters",
     "delete_topology",
+    "free_port",
     "log_problems",
     "percentile",
     "process_cpu_seconds",
@@ -60,15 +62,23 @@ def with_database(url: str, name: str) -> str:
 
 
 class WorkerProcess:
-    """``python -m workers.cli worker --app APP`` with WAYSTATION_* settings, its log to a file."""
+    """``python -m workers.cli worker --app APP`` with WAYSTATION_* settings, its log to a file;
+    or another ``waystation`` command given as ``command`` (``["projections", "run"]``, say)."""
 
     def __init__(
-        self, name: str, env: dict[str, str], log_path: Path, app: str = "workers.example:app"
+        self,
+        name: str,
+        env: dict[str, str],
+        log_path: Path,
+        app: str = "workers.example:app",
+        *,
+        command: Sequence[str] | None = None,
     ) -> None:
         self.name = name
         self.env = env
         self.log_path = log_path
         self.app = app
+        self.command = list(command) if command is not None else ["worker", "--app", app]
         self.process: subprocess.Popen[bytes] | None = None
         self._log: Any = None
 
@@ -80,7 +90,7 @@ class WorkerProcess:
         )
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "workers.cli", "worker", "--app", self.app],
+            [sys.executable, "-m", "workers.cli", *self.command],
             env=environment,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -138,6 +148,18 @@ def stop_all(workers: Iterable[WorkerProcess], timeout: float = 30) -> dict[str,
         worker.terminate()
     deadline = time.monotonic() + timeout
     return {w.name: w.wait(max(0.1, deadline - time.monotonic())) for w in workers}
+
+
+def free_port(host: str = "127.0.0.1", exclude: Iterable[int] = ()) -> int:
+    """A TCP port nothing listens on right now (the system picks it: a bind to port 0), not one
+    of ``exclude``. Free when asked, not reserved: whoever binds it next gets it."""
+    taken = set(exclude)
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))
+            port = int(probe.getsockname()[1])
+        if port not in taken:
+            return port
 
 
 # ---- broker --------------------------------------------------------------------------------
@@ -369,7 +391,11 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-_PROBLEM = re.compile(rb" (WARNING|ERROR|CRITICAL) |Traceback \(most recent call last\)")
+_PROBLEM = re.compile(
+    rb' (WARNING|ERROR|CRITICAL) |"level": ?"(WARNING|ERROR|CRITICAL)"'
+    rb"|Traceback \(most recent call last\)"
+)
+"""A problem line in a text log, or in a JSON-lines log (``WAYSTATION_LOG_FORMAT=json``)."""
 
 
 def log_problems(paths: Iterable[Path], keep: int = 5) -> tuple[int, list[str]]:
