@@ -214,6 +214,8 @@ class TaskState:
     trace_id: str | None = None
     root_id: str | None = None
     """The root task of the call tree this task belongs to."""
+    resumed_at: float | None = None
+    """When the latest TaskResumed was decided (its metadata's ``occurred_at``), if any."""
 
     @property
     def exists(self) -> bool:
@@ -248,6 +250,7 @@ def fold(task_id: str, events: Iterable[RecordedEvent]) -> TaskState:
     results: dict[str, CallResult] = {}
     result: Any = None
     error: Any = None
+    resumed_at: float | None = None
     for recorded in events:
         version = recorded.stream_version
         last_hash = recorded.hash
@@ -270,6 +273,8 @@ def fold(task_id: str, events: Iterable[RecordedEvent]) -> TaskState:
             )
         elif isinstance(event, TaskResumed):
             status = "resumed"
+            occurred = recorded.metadata.get("occurred_at")
+            resumed_at = float(occurred) if isinstance(occurred, (int, float)) else None
         elif isinstance(event, TaskCompleted):
             status, result = "completed", event.result
         elif isinstance(event, TaskFailed):
@@ -302,6 +307,7 @@ def fold(task_id: str, events: Iterable[RecordedEvent]) -> TaskState:
         error=error,
         trace_id=started_metadata.get("trace_id"),
         root_id=started_metadata.get("correlation_id"),
+        resumed_at=resumed_at,
     )
 
 

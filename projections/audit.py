@@ -242,6 +242,8 @@ class TimelineEntry:
     summary: str
     pause_seconds: float | None = None
     """On a ``TaskPaused`` and its ``TaskResumed``: how long that pause lasted."""
+    trace_id: str | None = None
+    """The trace the event was written under (its metadata's ``trace_id``)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -251,6 +253,7 @@ class TimelineEntry:
             "actor": self.actor,
             "summary": self.summary,
             "pause_seconds": self.pause_seconds,
+            "trace_id": self.trace_id,
         }
 
 
@@ -354,6 +357,7 @@ def timeline(events: Sequence[RecordedEvent]) -> list[TimelineEntry]:
             ):
                 span = None  # a second pause or resume of the same number (verify reports it)
         actor = event.metadata.get("worker_id")
+        trace = event.metadata.get("trace_id")
         entries.append(
             TimelineEntry(
                 version=event.stream_version,
@@ -362,6 +366,7 @@ def timeline(events: Sequence[RecordedEvent]) -> list[TimelineEntry]:
                 actor=actor if isinstance(actor, str) else None,
                 summary=_summary(event, parsed, span),
                 pause_seconds=span.seconds if span is not None else None,
+                trace_id=trace if isinstance(trace, str) else None,
             )
         )
     return entries

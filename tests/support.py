@@ -187,6 +187,8 @@ class WorkerProcess:
                 "WAYSTATION_OUTBOX_DELAY": str(self.settings.outbox_delay),
                 "WAYSTATION_OUTBOX_POLL_INTERVAL": str(self.settings.outbox_poll_interval),
                 "WAYSTATION_CONCURRENCY": str(self.settings.concurrency),
+                # many workers run at once here: a test that scrapes one gives it a port
+                "WAYSTATION_METRICS_PORT": "0",
                 "PYTHONPATH": str(ROOT),
             }
         )

@@ -50,20 +50,56 @@ def _run(coroutine: Any) -> Any:
         return asyncio.run(coroutine)
 
 
+def _run_service(coroutine: Any) -> None:
+    """Run a long-lived process; a port it cannot listen on ends it with a clear line, exit 1."""
+    from .metrics import MetricsPortUnavailable
+
+    try:
+        _run(coroutine)
+    except MetricsPortUnavailable as error:
+        log.error("%s", error.strerror)
+        sys.exit(1)
+
+
 @click.group()
-@click.option("--log-level", default="INFO", show_default=True, help="Python logging level.")
-def main(log_level: str) -> None:
+@click.option(
+    "--log-level",
+    envvar="WAYSTATION_LOG_LEVEL",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    help="Least severe log level written (env WAYSTATION_LOG_LEVEL).",
+)
+@click.option(
+    "--log-format",
+    envvar="WAYSTATION_LOG_FORMAT",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "json", "text"]),
+    help="json: one JSON object per line; text: readable lines; auto: text in a terminal, "
+    "JSON otherwise (env WAYSTATION_LOG_FORMAT).",
+)
+def main(log_level: str, log_format: str) -> None:
     """Waystation: durable pause and resume-anywhere for agents that call other agents.
 
     Settings come from WAYSTATION_* environment variables (see README, "Configuration").
+    Logs go to stderr; results, tables and --json output to stdout.
     """
-    logging.basicConfig(
-        level=log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
+    from .logs import configure_logging
+
+    configure_logging(log_level, log_format)  # type: ignore[arg-type]
+    context = click.get_current_context()
+    context.obj = {"log_level": log_level, "log_format": log_format}
+
+
+def _log_as_worker(worker_id: str) -> None:
+    """Put the worker id on every log line of this process from now on."""
+    from .logs import configure_logging
+
+    options = click.get_current_context().find_root().obj or {}
+    configure_logging(
+        options.get("log_level", "INFO"), options.get("log_format", "auto"), worker_id=worker_id
     )
-    logging.getLogger("aio_pika").setLevel(logging.WARNING)
-    logging.getLogger("aiormq").setLevel(logging.WARNING)
 
 
 @main.command()
@@ -84,28 +120,40 @@ def worker(app_path: str, concurrency: int | None) -> None:
     """
     settings = _settings(concurrency=concurrency)
     app = _load_app(app_path)
-    _run(_serve(app, settings))
+    _log_as_worker(settings.worker_id)
+    _run_service(_serve(app, settings))
 
 
 async def _serve(app: Any, settings: Any) -> None:
     import migrations
     from events.postgres import PostgresEventStore
 
+    from .metrics import HttpServer, Metrics, database_gauges
     from .runtime import Worker
 
+    metrics = Metrics()
     await migrations.upgrade(settings.database_url)
     store = PostgresEventStore.from_url(settings.database_url, pool_size=settings.db_pool_size)
-    instance = Worker(app, settings, store)
+    instance = Worker(app, settings, store, metrics=metrics)
+    server = HttpServer(
+        metrics,
+        instance.health,
+        host=settings.metrics_host,
+        port=settings.metrics_port,
+        refresh=lambda: database_gauges(metrics, store),
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     try:
+        await server.start()
         await instance.start()
         await stop.wait()
         log.info("stopping")
     finally:
         await instance.stop()
+        await server.stop()
         await store.close()
 
 
@@ -115,7 +163,19 @@ async def _serve(app: Any, settings: Any) -> None:
 @click.option("--task-id", help="Task id (default: a new UUID). Resubmitting an id is idempotent.")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait for the result.")
 @click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds to wait.")
-def submit(agent: str, input_json: str, task_id: str | None, wait: bool, timeout: float) -> None:
+@click.option(
+    "--trace-id",
+    help="Trace id the task and all its peer calls carry (default: the task id). Shows in "
+    "the events' metadata, the workers' logs and `history`.",
+)
+def submit(
+    agent: str,
+    input_json: str,
+    task_id: str | None,
+    wait: bool,
+    timeout: float,
+    trace_id: str | None,
+) -> None:
     """Submit a task to AGENT with INPUT_JSON and print its result as JSON.
 
     Exit codes: 0 the task completed ok, 1 it completed with an error, 2 bad input,
@@ -126,17 +186,23 @@ def submit(agent: str, input_json: str, task_id: str | None, wait: bool, timeout
     except Exception as error:
         raise click.BadParameter(f"not JSON: {error}", param_hint="INPUT_JSON") from error
     settings = _settings()
-    code = _run(_submit(settings, agent, payload, task_id, wait, timeout))
+    code = _run(_submit(settings, agent, payload, task_id, wait, timeout, trace_id))
     sys.exit(code)
 
 
 async def _submit(
-    settings: Any, agent: str, payload: Any, task_id: str | None, wait: bool, timeout: float
+    settings: Any,
+    agent: str,
+    payload: Any,
+    task_id: str | None,
+    wait: bool,
+    timeout: float,
+    trace_id: str | None,
 ) -> int:
     from .client import Client
 
     async with Client(settings.amqp_url, queue_prefix=settings.queue_prefix) as client:
-        task_id = await client.submit(agent, payload, task_id=task_id)
+        task_id = await client.submit(agent, payload, task_id=task_id, trace_id=trace_id)
         if not wait:
             click.echo(dumps({"task_id": task_id}).decode())
             return 0
@@ -394,13 +460,18 @@ def history(task_id: str, as_json: bool) -> None:
             dumps(
                 {
                     "task_id": task_id,
+                    "trace_ids": sorted({e.trace_id for e in entries if e.trace_id}),
                     "events": [entry.to_json() for entry in entries],
                     "pauses": [span.to_json() for span in spans],
                 }
             ).decode()
         )
         return
-    click.echo(f"task {task_id}: {len(entries)} events")
+    traces = sorted({entry.trace_id for entry in entries if entry.trace_id})
+    click.echo(
+        f"task {task_id}: {len(entries)} events"
+        + (f", trace {', '.join(traces)}" if traces else "")
+    )
     click.echo(f"{'v':>4}  {'recorded at (UTC)':<26} {'event':<16} {'worker':<20} what")
     for entry in entries:
         moment = (
@@ -660,12 +731,16 @@ def run_projections() -> None:
     advisory lock) and the others take over within WAYSTATION_PROJECTION_STANDBY_INTERVAL
     seconds when it goes. Migrates the database first.
     """
-    _run(_run_projections(_settings()))
+    settings = _settings()
+    _log_as_worker(settings.worker_id)
+    _run_service(_run_projections(settings))
 
 
 async def _run_projections(settings: Any) -> None:
     import migrations
     from projections.postgres import ProjectionRunner
+
+    from .metrics import Health, HttpServer, Metrics, projection_gauges
 
     await migrations.upgrade(settings.database_url)
     engine = _projection_engine(settings)
@@ -675,14 +750,32 @@ async def _run_projections(settings: Any) -> None:
         poll_interval=settings.projection_poll_interval,
         standby_interval=settings.projection_standby_interval,
     )
+    metrics = Metrics()
+
+    async def health() -> Health:
+        from sqlalchemy import text
+
+        async with engine.connect() as connection:
+            await connection.execute(text("SELECT 1"))
+        return Health(True, {"worker_id": settings.worker_id, "database": True})
+
+    server = HttpServer(
+        metrics,
+        health,
+        host=settings.metrics_host,
+        port=settings.metrics_port,
+        refresh=lambda: projection_gauges(metrics, engine),
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    await server.start()
     log.info("projection runner %s started", settings.worker_id)
     try:
         await runner.run(stop)
     finally:
+        await server.stop()
         await engine.dispose()
     log.info("projection runner stopped")
 

@@ -56,6 +56,7 @@ class Client:
         self._connection: AbstractRobustConnection | None = None
         self._channel: AbstractChannel | None = None
         self._reply_queue: AbstractQueue | None = None
+        self._consumer_tag: str | None = None
         self._results: dict[str, TaskResult] = {}
         self._waiters: dict[str, asyncio.Future[TaskResult]] = {}
 
@@ -82,12 +83,16 @@ class Client:
             durable=True,
             arguments={"x-expires": REPLY_QUEUE_EXPIRES_MS},
         )
-        await self._reply_queue.consume(self._receive)
+        self._consumer_tag = await self._reply_queue.consume(self._receive)
 
     async def close(self) -> None:
         if self._connection is not None:
             if self._reply_queue is not None:
                 with contextlib.suppress(Exception):
+                    # cancel first: deleting a queue under its consumer makes the broker cancel
+                    # it, which aiormq logs as a warning
+                    if self._consumer_tag is not None:
+                        await self._reply_queue.cancel(self._consumer_tag)
                     await self._reply_queue.delete(if_unused=False, if_empty=False)
             await self._connection.close()
             self._connection = None

@@ -72,6 +72,8 @@ from . import topology
 from .agent import AgentSpec, App, TaskContext
 from .faults import FaultPlan
 from .intake import Rejection, inspect
+from .logs import add_to_context, log_context
+from .metrics import Health, Metrics
 from .publisher import Publisher
 from .settings import Settings
 from .wire import (
@@ -89,6 +91,7 @@ from .wire import (
     ResultEnvelope,
     implied_messages,
     result_message,
+    trace_id_of,
 )
 
 __all__ = ["Worker", "WorkerStats"]
@@ -205,12 +208,14 @@ class Worker:
         *,
         faults: FaultPlan | None = None,
         clock: Callable[[], float] = time.time,
+        metrics: Metrics | None = None,
     ) -> None:
         self.app = app
         self.settings = settings
         self.store = store
         self.names = Names(settings.queue_prefix)
         self.stats = WorkerStats()
+        self.metrics = metrics or Metrics()
         self._faults = faults or FaultPlan(settings.fault_point, settings.fault_after)
         self._clock = clock
         self._connection: AbstractRobustConnection | None = None
@@ -304,6 +309,34 @@ class Worker:
                 _write_file, self.settings.stats_file, dumps(self.stats.to_json())
             )
 
+    async def health(self) -> Health:
+        """Healthy when consuming with the broker connected and the database answering."""
+        connection = self._connection
+        broker = connection is not None and connection.connected.is_set()
+        try:
+            await self.store.outbox_size()
+            database = True
+        except Exception:
+            database = False
+        consuming = len(self._consumers)
+        if self._stopping:
+            state = "stopping"
+        elif connection is None or not consuming:
+            state = "starting"
+        else:
+            state = "serving"
+        return Health(
+            state == "serving" and broker and database,
+            {
+                "worker_id": self.settings.worker_id,
+                "state": state,
+                "broker": broker,
+                "database": database,
+                "consumers": consuming,
+                "in_flight": self._inflight,
+            },
+        )
+
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.create_task(coroutine)
         self._spawned.add(task)
@@ -315,12 +348,26 @@ class Worker:
         self, message: AbstractIncomingMessage, spec: AgentSpec, kind: str
     ) -> None:
         self._inflight += 1
+        self.metrics.in_flight.inc()
         self._idle.clear()
+        started = time.perf_counter()
         try:
-            settled = await self._process(message, spec, kind)
-            await asyncio.shield(self._settle(message, settled))
+            with log_context(**_context_of(message, kind)):
+                settled = await self._process(message, spec, kind)
+                await asyncio.shield(self._settle(message, settled))
+                label = _kind_label(message, kind)
+                self.metrics.messages.labels(spec.name, label, settled.disposition.value).inc()
+                log.debug(
+                    "%s %s for %s: %s after %.1f ms",
+                    label,
+                    message.message_id,
+                    spec.name,
+                    settled.disposition.value,
+                    (time.perf_counter() - started) * 1000,
+                )
         finally:
             self._inflight -= 1
+            self.metrics.in_flight.dec()
             if self._inflight == 0:
                 self._idle.set()
 
@@ -344,6 +391,7 @@ class Worker:
                     return _Settled(Disposition.REQUEUE)
                 log.warning("event log unavailable (%s); retrying in %.1fs", error, backoff)
                 self.stats.count("store_unavailable")
+                self.metrics.outages.labels("database").inc()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
             except (
@@ -357,6 +405,7 @@ class Worker:
                     return _Settled(Disposition.REQUEUE)
                 log.warning("broker unavailable (%s); retrying in %.1fs", error, backoff)
                 self.stats.count("broker_unavailable")
+                self.metrics.outages.labels("broker").inc()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
             except Exception:
@@ -415,7 +464,9 @@ class Worker:
             return
         self.stats.count(f"settled_{settled.disposition.value}")
         if settled.checkpoint_started is not None:
-            self.stats.checkpoint_seconds.append(time.perf_counter() - settled.checkpoint_started)
+            seconds = time.perf_counter() - settled.checkpoint_started
+            self.stats.checkpoint_seconds.append(seconds)
+            self.metrics.checkpoint.observe(seconds)
 
     async def _dead_letter(self, message: AbstractIncomingMessage, settled: _Settled) -> bool:
         """Publish ``message`` to the dead-letter exchange with its reason; False if that failed."""
@@ -429,6 +480,7 @@ class Worker:
             rejection.detail,
         )
         self.stats.count(f"dead_letter.{rejection.reason}")
+        self.metrics.dead_letters.labels(rejection.reason).inc()
         headers: dict[str, Any] = dict(message.headers or {})
         headers.update(
             {
@@ -489,9 +541,10 @@ class Worker:
         if message.redelivered and (await self._load(task_id)).exists:
             log.info("task %s redelivered after it was recorded; acking", task_id)
             self.stats.count("redelivered_recognised")
+            self.metrics.duplicates.inc()
             return _ack()
         headers = message.headers or {}
-        trace_id = str(headers.get(HEADER_TRACE) or task_id)
+        trace_id = trace_id_of(headers, task_id)
         root_id = str(headers.get(HEADER_ROOT) or task_id)
         state = TaskState(
             task_id=task_id,
@@ -560,6 +613,7 @@ class Worker:
             )
         log.info("task %s is already recorded (%s); acking", task_id, state.status)
         self.stats.count("duplicate_tasks")
+        self.metrics.duplicates.inc()
         return _ack()
 
     async def _handle_resume(
@@ -573,6 +627,7 @@ class Worker:
         if state.status != "resumed" or state.pause != pause:
             log.info("resume of %s from pause %d: nothing to do (%s)", task_id, pause, state.status)
             self.stats.count("duplicate_resumes")
+            self.metrics.duplicates.inc()
             return _ack()
         context = TaskContext(
             task_id=task_id,
@@ -610,10 +665,13 @@ class Worker:
                 except VersionConflict:
                     # an audit event or a cancel landed meanwhile, or another instance ran it
                     self.stats.count("version_conflicts")
+                    self.metrics.version_conflicts.inc()
                     state = await self._load(task_id)
                     if state.status != "resumed" or state.pause != pause:
                         return _ack()
                     continue
+                if state.resumed_at is not None:
+                    self.metrics.resume.observe(max(0.0, self._clock() - state.resumed_at))
                 return _ack(returned_at if isinstance(outcome, Pause) else None)
             else:
                 raise RuntimeError(f"resume of {task_id}: {MAX_CONFLICT_RETRIES} conflicts")
@@ -786,16 +844,18 @@ class Worker:
             await asyncio.sleep(self.settings.sweep_interval)
 
     async def _record_timeout(self, call: ExpiredCall) -> None:
-        applied = await self._append_decision(
-            call.task_id,
-            lambda state: decide_timeout(state, call.subtask_id, now=self._clock()),
-            key=lambda _: f"timeout:{call.subtask_id}",
-            cause=_Cause(message_id=f"deadline:{call.subtask_id}"),
-            step="timeout",
-        )
-        if applied.events:
-            log.info("call %s to %s timed out", call.subtask_id, call.agent)
-            self.stats.count("timeouts")
+        with log_context(task_id=call.task_id, subtask_id=call.subtask_id):
+            applied = await self._append_decision(
+                call.task_id,
+                lambda state: decide_timeout(state, call.subtask_id, now=self._clock()),
+                key=lambda _: f"timeout:{call.subtask_id}",
+                cause=_Cause(message_id=f"deadline:{call.subtask_id}"),
+                step="timeout",
+            )
+            if applied.events:
+                log.info("call %s to %s timed out", call.subtask_id, call.agent)
+                self.stats.count("timeouts")
+                self.metrics.timeouts.labels(call.agent).inc()
 
     async def _record_unroutable(self, task_id: str, subtask: str, queue: str) -> None:
         """A peer request nobody can receive fails its call at once instead of at its deadline."""
@@ -811,7 +871,9 @@ class Worker:
     # ---- append, publish ---------------------------------------------------------------------
 
     async def _load(self, task_id: str) -> TaskState:
-        return fold(task_id, await self.store.read_stream(task_id))
+        state = fold(task_id, await self.store.read_stream(task_id))
+        add_to_context(task_id=task_id, trace_id=state.trace_id)
+        return state
 
     def _default_timeout(self, spec: AgentSpec) -> float:
         return spec.default_timeout or self.settings.default_call_timeout
@@ -849,6 +911,7 @@ class Worker:
                     recorded = await self._commit(described, events, causation, cause, step=step)
                 except VersionConflict:
                     self.stats.count("version_conflicts")
+                    self.metrics.version_conflicts.inc()
                     continue
                 if recorded:
                     return _Applied(state, events)
@@ -892,8 +955,15 @@ class Worker:
         if result.duplicate:
             # recorded before (a redelivery or a re-run): its messages are the relay's to publish
             self.stats.count("duplicate_appends")
+            self.metrics.duplicates.inc()
             return False
         self.stats.count("events_appended", len(new_events))
+        for event in events:
+            self.metrics.events_appended.labels(event.event_type).inc()
+            if event.event_type in _FINISHED:
+                self.metrics.tasks_finished.labels(
+                    state.agent or "?", _FINISHED[event.event_type]
+                ).inc()
         self._faults.hit(f"{step}.committed")
         await self._publish_committed(state.task_id, result.outbox_ids, messages)
         self._faults.hit(f"{step}.published")
@@ -960,6 +1030,7 @@ class Worker:
                         log.warning("outbox relay: %d not published yet; retrying", len(unsent))
                     await self.store.delete_outbox(done)
                     self.stats.count("outbox_relayed", len(done))
+                    self.metrics.outbox_relayed.inc(len(done))
                     log.info("outbox relay published %d message(s)", len(done))
                     if len(entries) == 100 and not unsent:
                         continue
@@ -986,6 +1057,39 @@ class Worker:
         except BaseException:
             self._published_outbox.extend(ids)
             raise
+
+
+_FINISHED = {"TaskCompleted": "completed", "TaskFailed": "failed", "TaskCancelled": "cancelled"}
+
+_KINDS = {
+    "tasks": frozenset({TYPE_TASK, TYPE_RESUME, TYPE_CANCEL}),
+    "replies": frozenset({TYPE_RESULT, TYPE_PROGRESS}),
+}
+
+
+def _kind_label(message: AbstractIncomingMessage, kind: str) -> str:
+    """The message's type as a metric label (``other`` for types nobody sends, so a stray
+    publisher cannot grow the label set without bound)."""
+    given = message.type or (TYPE_TASK if kind == "tasks" else TYPE_RESULT)
+    return given if given in _KINDS[kind] else "other"
+
+
+def _context_of(message: AbstractIncomingMessage, kind: str) -> dict[str, str | None]:
+    """What a message says about its task before its body is read, for its log lines."""
+    correlation = message.correlation_id
+    subtask: str | None = None
+    task: str | None = None
+    if correlation:
+        with contextlib.suppress(ValueError):
+            task, _, _ = parse_subtask_id(correlation)
+            subtask = correlation
+    if kind == "tasks":
+        # a task's id is its message id (a peer request's is its sub-task id); resume and
+        # cancel name theirs in the body, and it joins the context when the stream is read
+        task = message.message_id if (message.type or TYPE_TASK) == TYPE_TASK else None
+    headers = message.headers or {}
+    trace = trace_id_of(headers, "") or None
+    return {"task_id": task, "subtask_id": subtask, "trace_id": trace}
 
 
 @dataclass(frozen=True, slots=True)

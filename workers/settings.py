@@ -62,6 +62,11 @@ class Settings(BaseSettings):
     """How often a standby runner tries to take over a projection; bounds the failover time (s)."""
     db_pool_size: int = Field(default=16, ge=1)
     """Database connections per worker; handlers wait for one when all are busy."""
+    metrics_port: int = Field(default=9464, ge=0, le=65535)
+    """Port of the worker's (and the projection runner's) ``/metrics`` and ``/healthz``; 0 turns
+    the endpoint off. Two processes on one host need two ports."""
+    metrics_host: str = "0.0.0.0"
+    """Address the metrics endpoint listens on (``127.0.0.1`` keeps it local)."""
     worker_id: str = Field(default_factory=_default_worker_id)
     shutdown_grace: float = Field(default=10.0, ge=0)
     """Seconds in-flight messages get to reach their next commit on SIGTERM."""

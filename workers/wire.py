@@ -16,7 +16,8 @@ Message ``type`` property: on ``P<agent>``: ``task`` (default when absent), ``ca
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -45,10 +46,13 @@ __all__ = [
     "cancel_message",
     "implied_messages",
     "result_message",
+    "trace_id_of",
 ]
 
 CONTENT_TYPE = "application/json"
 HEADER_TRACE = "x-waystation-trace-id"
+HEADER_TRACEPARENT = "traceparent"
+"""W3C Trace Context: a publisher that sends it (and no HEADER_TRACE) has its trace id used."""
 HEADER_ROOT = "x-waystation-root-task"
 """The root task of a call tree; a peer request carries it so every event names its root."""
 
@@ -129,6 +133,28 @@ class ResultEnvelope:
             error=payload.get("error"),
             task_id=payload.get("task_id"),
         )
+
+
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+def trace_id_of(headers: Mapping[str, Any] | None, default: str) -> str:
+    """The trace a message belongs to: its ``x-waystation-trace-id`` header, else the trace id of
+    a W3C ``traceparent`` header, else ``default`` (a new task starts its own trace)."""
+    headers = headers or {}
+    given = headers.get(HEADER_TRACE)
+    if isinstance(given, bytes):
+        given = given.decode(errors="replace")
+    if isinstance(given, str) and given.strip():
+        return given.strip()[:200]
+    parent = headers.get(HEADER_TRACEPARENT)
+    if isinstance(parent, bytes):
+        parent = parent.decode(errors="replace")
+    if isinstance(parent, str):
+        match = _TRACEPARENT.match(parent.strip().lower())
+        if match and match.group(1) != "0" * 32:
+            return match.group(1)
+    return default
 
 
 def _headers(state: TaskState) -> dict[str, Any]:

@@ -78,7 +78,7 @@ async def test_verify_and_history_of_real_tasks(
     code, out, err = await cli(settings, "history", second)
     assert code == 0, out + err
     lines = out.splitlines()
-    assert lines[0] == f"task {second}: 10 events"
+    assert lines[0] == f"task {second}: 10 events, trace {second}"  # its own, by default
     assert "TaskPaused" in out and "TaskResumed" in out
     deadline = f"deadline in {settings.default_call_timeout:g} s"
     assert f"paused #1 calling researcher ×3 ({deadline})" in out

@@ -1,0 +1,233 @@
+"""What an operator watches: a running worker's /metrics and /healthz, its JSON logs, and a trace
+id that travels from the publisher through every peer call into the log and `history`."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+from aio_pika import Message
+from prometheus_client.parser import text_string_to_metric_families
+
+from events.postgres import PostgresEventStore
+from workers.client import Client
+from workers.example import expected_total
+from workers.settings import Settings
+from workers.wire import Names
+
+from ..support import WorkerProcess, eventually, start_example_workers
+from .test_cli import run_cli
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+K = 3
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            yield sample.name, sample.labels, sample.value
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    """The sample ``name`` with exactly these labels (0 when the series does not exist yet)."""
+    found = [v for n, ls, v in samples(text) if n == name and ls == labels]
+    assert len(found) <= 1, (name, labels, found)
+    return found[0] if found else 0.0
+
+
+async def get(url: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        return response.status, await response.text()
+
+
+def json_log(path: Path) -> list[dict[str, object]]:
+    """The worker's log: JSON lines (a log file is not a terminal, so ``auto`` means JSON)."""
+    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+
+
+@pytest.mark.timeout(120)
+async def test_metrics_of_a_running_worker_move_as_tasks_flow(
+    settings: Settings, store: PostgresEventStore, tmp_path: Path
+) -> None:
+    port = free_port()
+    worker = WorkerProcess(
+        settings,
+        env={"WAYSTATION_METRICS_PORT": str(port), "WAYSTATION_METRICS_HOST": "127.0.0.1"},
+        log_path=tmp_path / "worker.log",
+    )
+    base = f"http://127.0.0.1:{port}"
+    tasks = 20
+    try:
+        await start_example_workers(settings, [worker])
+        status, body = await get(f"{base}/healthz")
+        health = orjson.loads(body)
+        assert status == 200, body
+        assert health["status"] == "ok" and health["state"] == "serving", health
+        assert health["broker"] is True and health["database"] is True, health
+        assert health["consumers"] == 4, "tasks and replies queues of both example agents"
+
+        _, before = await get(f"{base}/metrics")
+        async with Client(settings.amqp_url, queue_prefix=settings.queue_prefix) as client:
+            ids = [await client.submit("orchestrator", {"n": n, "k": K}) for n in range(tasks)]
+            results = [await client.result(task_id, 60) for task_id in ids]
+            totals = [r.result["total"] for r in results]
+            assert totals == [expected_total(n, K) for n in range(tasks)]
+            # a message no worker can use: dead-lettered, and counted
+            channel = await client._connection.channel()  # type: ignore[union-attr]
+            await channel.default_exchange.publish(
+                Message(b"{not json", message_id="observability-bad-body"),
+                routing_key=Names(settings.queue_prefix).tasks("orchestrator"),
+            )
+        dead = {"reason": "invalid-json"}
+
+        async def dead_lettered() -> bool:
+            _, text = await get(f"{base}/metrics")
+            return value(text, "waystation_dead_letters_total", **dead) == 1
+
+        await eventually(dead_lettered, 20, "the bad message to be dead-lettered")
+
+        async def backlog_read() -> bool:
+            # the database's outbox, read at scrape time: rows are forgotten shortly after they
+            # are published, so the gauge falls to what the table holds once all is quiet
+            _, text = await get(f"{base}/metrics")
+            return value(text, "waystation_outbox_backlog") == await store.outbox_size()
+
+        await eventually(backlog_read, 20, "the outbox backlog gauge to match the table")
+        _, after = await get(f"{base}/metrics")
+    finally:
+        code = worker.terminate()
+    assert code == 0
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    ack = {"outcome": "ack"}
+    assert moved("waystation_messages_total", agent="orchestrator", kind="task", **ack) == tasks
+    assert moved("waystation_messages_total", agent="researcher", kind="task", **ack) == tasks * K
+    assert moved("waystation_messages_total", agent="orchestrator", kind="result", **ack) == (
+        tasks * K
+    )
+    assert moved("waystation_messages_total", agent="orchestrator", kind="resume", **ack) == tasks
+    assert (
+        moved("waystation_messages_total", agent="orchestrator", kind="task", outcome="dead-letter")
+        == 1
+    )
+    for event_type, per_task in [
+        ("TaskStarted", 1),
+        ("TaskPaused", 1),
+        ("SubtaskClaimed", K),
+        ("ResultRecorded", K),
+        ("TaskResumed", 1),
+        ("TaskCompleted", 1),
+    ]:
+        assert moved("waystation_events_appended_total", event_type=event_type) == (
+            tasks * per_task
+        ), event_type
+    assert moved("waystation_tasks_finished_total", agent="orchestrator", status="completed") == (
+        tasks
+    )
+    assert moved("waystation_checkpoint_seconds_count") == tasks, "one checkpoint per pause"
+    assert moved("waystation_checkpoint_seconds_sum") > 0
+    assert moved("waystation_resume_latency_seconds_count") == tasks
+    assert value(after, "waystation_messages_in_flight") == 0
+    # no projection runner runs here: both projections are behind by at least these events
+    appended = value(after, "waystation_events_appended_total", event_type="TaskStarted")
+    assert value(after, "waystation_projection_lag_events", projection="paused_tasks") >= appended
+    assert value(after, "waystation_version_conflicts_total") >= 0  # exported, even at zero
+    assert value(after, "waystation_call_timeouts_total", agent="researcher") == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_whose_metrics_port_is_taken_says_so_and_exits_non_zero(
+    settings: Settings, tmp_path: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        worker = WorkerProcess(
+            settings,
+            env={"WAYSTATION_METRICS_PORT": str(port), "WAYSTATION_METRICS_HOST": "127.0.0.1"},
+            log_path=tmp_path / "worker.log",
+        ).start()
+        assert worker.process is not None
+        worker.process.wait(45)
+        code = worker.terminate()
+    log = (tmp_path / "worker.log").read_text()
+    assert code == 1
+    assert "Traceback" not in log, "an operator's mistake, told in one line"
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in log, log
+    assert "WAYSTATION_METRICS_PORT" in log
+
+
+@pytest.mark.timeout(120)
+async def test_a_trace_id_travels_through_every_peer_call_into_events_logs_and_history(
+    settings: Settings, store: PostgresEventStore, tmp_path: Path
+) -> None:
+    log_path = tmp_path / "worker.log"
+    worker = WorkerProcess(settings, env={"WAYSTATION_LOG_LEVEL": "DEBUG"}, log_path=log_path)
+    trace = "trace-7f3a-observability"
+    w3c_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    try:
+        await start_example_workers(settings, [worker])
+        async with Client(settings.amqp_url, queue_prefix=settings.queue_prefix) as client:
+            given = await client.submit("orchestrator", {"n": 1, "k": K}, trace_id=trace)
+            assert (await client.result(given, 60)).ok
+            # a publisher that speaks W3C Trace Context only
+            channel = await client._connection.channel()  # type: ignore[union-attr]
+            w3c = "observability-w3c-task"
+            await channel.default_exchange.publish(
+                Message(
+                    orjson.dumps({"n": 2, "k": K}),
+                    message_id=w3c,
+                    content_type="application/json",
+                    headers={"traceparent": f"00-{w3c_trace}-00f067aa0ba902b7-01"},
+                ),
+                routing_key=Names(settings.queue_prefix).tasks("orchestrator"),
+            )
+            plain = await client.submit("orchestrator", {"n": 3, "k": K})
+            assert (await client.result(plain, 60)).ok
+
+        async def w3c_done() -> bool:
+            return any(e.event_type == "TaskCompleted" for e in await store.read_stream(w3c))
+
+        await eventually(w3c_done, 30, "the W3C-traced task to complete")
+    finally:
+        assert worker.terminate() == 0
+
+    for task_id, expected in [(given, trace), (w3c, w3c_trace), (plain, plain)]:
+        events = await store.read_stream(task_id)
+        assert len(events) == 4 + 2 * K
+        assert {e.metadata.get("trace_id") for e in events} == {expected}, task_id
+
+    lines = json_log(log_path)
+    traced = [line for line in lines if line.get("trace_id") == trace]
+    messages = [str(line["message"]) for line in traced]
+    handled = {message.split(" ")[0] for message in messages if "ack after" in message}
+    assert handled == {"task", "result", "resume"}, traced
+    subtasks = {line.get("subtask_id") for line in traced} - {None}
+    assert subtasks == {f"{given}:1:{i}" for i in range(K)}, "each peer call's lines name it"
+    researcher_lines = [line for line in traced if "for researcher" in str(line["message"])]
+    assert {line["task_id"] for line in researcher_lines} == subtasks
+    assert all(line["worker_id"] == lines[-1]["worker_id"] for line in lines)
+    assert {line.get("task_id") for line in traced} >= {given}
+
+    shown = await asyncio.to_thread(run_cli, settings, "history", given)
+    assert shown.returncode == 0, shown.stderr
+    assert f"trace {trace}" in shown.stdout.splitlines()[0]
+    shown = await asyncio.to_thread(run_cli, settings, "history", given, "--json")
+    as_json = orjson.loads(shown.stdout)
+    assert as_json["trace_ids"] == [trace]
+    assert {entry["trace_id"] for entry in as_json["events"]} == {trace}

@@ -1,0 +1,129 @@
+"""Logs: JSON lines for machines, readable lines in a terminal, with the task's context.
+
+Every record a worker writes while it handles a message carries that message's task id, sub-task
+id and trace id (where they apply) and the worker's id, without each call site passing them:
+``log_context`` sets them in context variables, and aio-pika runs each delivery in its own
+asyncio task, so one message's context never leaks into another's.
+
+``WAYSTATION_LOG_FORMAT`` chooses: ``json`` (one object per line), ``text``, or ``auto`` (text
+when stderr is a terminal, JSON otherwise, e.g. in a container).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import sys
+from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime
+from types import MappingProxyType
+from typing import Any, Literal, TextIO
+
+import orjson
+
+__all__ = ["CONTEXT_FIELDS", "configure_logging", "current_context", "log_context"]
+
+CONTEXT_FIELDS = ("task_id", "subtask_id", "trace_id")
+"""Per-message fields, in the order a text line shows them."""
+
+_context: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
+    "waystation_log_context", default=MappingProxyType({})
+)
+
+
+@contextlib.contextmanager
+def log_context(**fields: str | None) -> Iterator[None]:
+    """Add ``fields`` (those not None) to every record logged inside the block."""
+    token = _context.set({**_context.get(), **{k: v for k, v in fields.items() if v}})
+    try:
+        yield
+    finally:
+        _context.reset(token)
+
+
+def add_to_context(**fields: str | None) -> None:
+    """Add ``fields`` to the current context until the enclosing ``log_context`` ends (e.g. the
+    trace id of a reply, known only once its task's stream is read)."""
+    current = _context.get()
+    missing = {k: v for k, v in fields.items() if v and k not in current}
+    if missing:
+        _context.set({**current, **missing})
+
+
+def current_context() -> dict[str, str]:
+    return dict(_context.get())
+
+
+class _ContextFilter(logging.Filter):
+    """Puts the worker id and the current message's context on every record."""
+
+    def __init__(self, worker_id: str | None) -> None:
+        super().__init__()
+        self.worker_id = worker_id
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.waystation = {
+            **({"worker_id": self.worker_id} if self.worker_id else {}),
+            **_context.get(),
+        }
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, context, exception."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            **getattr(record, "waystation", {}),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            entry["exception"] = record.exc_text
+        return orjson.dumps(entry, default=str).decode()
+
+
+class TextFormatter(logging.Formatter):
+    """``time LEVEL logger message [task=… subtask=… trace=…]``."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields: dict[str, str] = getattr(record, "waystation", {})
+        shown = [f"{n.removesuffix('_id')}={fields[n]}" for n in CONTEXT_FIELDS if n in fields]
+        if not shown:
+            return line
+        head, newline, rest = line.partition("\n")  # keep a traceback below the context
+        return f"{head} [{' '.join(shown)}]{newline}{rest}"
+
+
+def configure_logging(
+    level: str = "INFO",
+    log_format: Literal["auto", "json", "text"] = "auto",
+    *,
+    worker_id: str | None = None,
+    stream: TextIO | None = None,
+) -> None:
+    """Set up the root logger once, for a process (the CLI's composition root calls this)."""
+    stream = stream or sys.stderr
+    if log_format == "auto":
+        log_format = "text" if stream.isatty() else "json"
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
+    handler.addFilter(_ContextFilter(worker_id))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    logging.getLogger("aio_pika").setLevel(logging.WARNING)
+    logging.getLogger("aiormq").setLevel(logging.WARNING)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
