@@ -6,9 +6,11 @@ import json
 import re
 from pathlib import Path
 
+import click
 import jsonschema
 import yaml
 
+from workers.cli import main
 from workers.settings import Settings
 from workers.topology import policy_definition
 from workers.wire import Names
@@ -35,7 +37,7 @@ def test_the_schema_check_rejects_a_broken_file() -> None:
 
 
 def test_compose_sets_only_settings_that_exist() -> None:
-    known = {f"WAYSTATION_{name.upper()}" for name in Settings.model_fields}
+    known = {f"WAYSTATION_{name.upper()}" for name in Settings.model_fields} | _cli_variables()
     for name, service in _compose()["services"].items():
         for variable in service.get("environment", {}):
             if variable.startswith("WAYSTATION_"):
@@ -64,3 +66,43 @@ def test_the_dockerfile_copies_every_package_it_installs() -> None:
         assert (root / source).exists(), source
     for package in ("events", "workers", "projections", "migrations"):
         assert f"COPY {package} " in dockerfile
+
+
+def _cli_variables() -> set[str]:
+    """The variables the CLI itself reads (its group's options, e.g. the log format)."""
+    return {p.envvar for p in main.params if isinstance(p.envvar, str)}
+
+
+def test_every_long_running_service_is_health_checked_on_the_port_it_serves() -> None:
+    compose = _compose()
+    port = compose["x-waystation-env"]["WAYSTATION_METRICS_PORT"]
+    assert int(port) != 0, "the endpoint must be on for the health check to reach it"
+    for name in ("worker", "projections"):
+        service = compose["services"][name]
+        check = " ".join(service["healthcheck"]["test"])
+        assert f"http://127.0.0.1:{port}/healthz" in check, name
+        assert service["expose"] == [port], name
+    assert f"EXPOSE {port}" in (COMPOSE / "Dockerfile").read_text()
+    for name in ("postgres", "rabbitmq"):
+        assert compose["services"][name]["healthcheck"]["test"], name
+
+
+def test_the_health_check_command_is_valid_python() -> None:
+    test = _compose()["x-waystation-healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"]
+    compile(test[3], "healthcheck", "exec")
+
+
+def test_every_compose_command_is_a_command_of_the_cli() -> None:
+    for name, service in _compose()["services"].items():
+        if "command" not in service or service.get("image") != "waystation:latest":
+            continue
+        context = main.make_context("waystation", [], resilient_parsing=True)
+        command: click.Command = main
+        words = list(service["command"])
+        while isinstance(command, click.Group) and words:
+            found = command.get_command(context, words.pop(0))
+            assert found is not None, f"{name}: {service['command']}"
+            command = found
+        # what is left must parse as that command's options
+        command.make_context(command.name or "", words)
