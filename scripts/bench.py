@@ -178,6 +178,8 @@ class Bench:
                 "WAYSTATION_BROKER_POLICY": "none",
                 "WAYSTATION_STATS_FILE": str(stats),
                 "WAYSTATION_WORKER_ID": f"bench-{session.label}-{index}",
+                # several workers on one host: no metrics endpoint (its port would clash)
+                "WAYSTATION_METRICS_PORT": "0",
             }
             if self.args.concurrency:
                 env["WAYSTATION_CONCURRENCY"] = str(self.args.concurrency)

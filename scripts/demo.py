@@ -59,7 +59,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
 
 import migrations
 from events import GENESIS_HASH, chain_hash
@@ -123,6 +125,8 @@ class Demo:
         self.ports: dict[str, int] = {}
         self.killed: WorkerProcess | None = None
         self.engine: AsyncEngine | None = None
+        self.guard: AsyncConnection | None = None
+        """Holds the one-demo-at-a-time lock; without it, cleanup leaves shared things alone."""
         self.summary: list[Line] = []
         self.cleanup_errors: list[str] = []
         self.started = time.monotonic()
@@ -231,6 +235,7 @@ class Demo:
             f"researchers ({WORK_MS} ms of work each), one worker SIGKILLed mid-run.",
             markup=False,
         )
+        await self.take_guard()
         await migrations.drop_database(self.database_url)
         with contextlib.suppress(Exception):
             await delete_topology(self.amqp_url, PREFIX, AGENTS)  # a previous demo cut short
@@ -572,6 +577,23 @@ class Demo:
             raise
         return process.returncode, output.decode(errors="replace")
 
+    async def take_guard(self) -> None:
+        """One demo at a time per PostgreSQL server: two would drop each other's database and
+        consume each other's queues. A session advisory lock on the server's ``postgres``
+        database, held until the end (and released by the server if this process dies)."""
+        admin = create_async_engine(
+            make_url(self.database_url).set(database="postgres"), poolclass=NullPool
+        )
+        connection = await admin.connect()
+        if not await connection.scalar(text("SELECT pg_try_advisory_lock(:key)"), {"key": _GUARD}):
+            await connection.close()
+            await admin.dispose()
+            raise RuntimeError(
+                f"another demo is running against this PostgreSQL (it uses the database "
+                f"{DATABASE} and the queues {PREFIX}*); let it finish first"
+            )
+        self.guard = connection
+
     async def cleanup(self) -> None:
         leftover = [p for p in self.processes() if p.alive()]
         if leftover:
@@ -579,6 +601,8 @@ class Demo:
         if self.engine is not None:
             with contextlib.suppress(Exception):
                 await self.engine.dispose()
+        if self.guard is None:
+            return  # another demo's database and queues: not ours to remove
         try:
             await delete_topology(self.amqp_url, PREFIX, AGENTS)
         except Exception as problem:
@@ -592,6 +616,12 @@ class Demo:
             self.cleanup_errors.append(f"dropping {DATABASE}: {problem}")
         for message in self.cleanup_errors:
             print(f"cleanup: {message}", file=sys.stderr)
+        with contextlib.suppress(Exception):
+            await self.guard.close()
+            await self.guard.engine.dispose()
+
+
+_GUARD = 0x57617944  # "WayD": the demo's advisory lock key
 
 
 async def _count_streams(store: PostgresEventStore) -> int:
