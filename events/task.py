@@ -39,6 +39,7 @@ from .model import (
     TaskPaused,
     TaskResumed,
     TaskStarted,
+    UnknownEvent,
     parse,
 )
 
@@ -216,6 +217,9 @@ class TaskState:
     """The root task of the call tree this task belongs to."""
     resumed_at: float | None = None
     """When the latest TaskResumed was decided (its metadata's ``occurred_at``), if any."""
+    unreadable: tuple[str, ...] = ()
+    """Events this code cannot read (an unknown type, or a schema version newer than it knows,
+    as in a rolling upgrade), described. A state with any is incomplete: decide nothing on it."""
 
     @property
     def exists(self) -> bool:
@@ -251,11 +255,17 @@ def fold(task_id: str, events: Iterable[RecordedEvent]) -> TaskState:
     result: Any = None
     error: Any = None
     resumed_at: float | None = None
+    unreadable: list[str] = []
     for recorded in events:
         version = recorded.stream_version
         last_hash = recorded.hash
         event = parse(recorded)
-        if isinstance(event, TaskStarted):
+        if isinstance(event, UnknownEvent):
+            unreadable.append(
+                f"v{recorded.stream_version} {event.type_name} ({event.reason}, schema version "
+                f"{recorded.schema_version})"
+            )
+        elif isinstance(event, TaskStarted):
             started, started_metadata = event, recorded.metadata
         elif isinstance(event, TaskPaused):
             status, pause, calls = "paused", event.pause, event.calls
@@ -308,6 +318,7 @@ def fold(task_id: str, events: Iterable[RecordedEvent]) -> TaskState:
         trace_id=started_metadata.get("trace_id"),
         root_id=started_metadata.get("correlation_id"),
         resumed_at=resumed_at,
+        unreadable=tuple(unreadable),
     )
 
 

@@ -114,6 +114,12 @@ class Metrics:
             "Messages the outbox relay published for a writer that did not.",
             registry=r,
         )
+        self.unreadable = Counter(
+            "waystation_unreadable_streams",
+            "Messages requeued because their task's stream holds events this worker cannot "
+            "read (an unknown type or a newer schema version: a newer worker wrote them).",
+            registry=r,
+        )
         self.outages = Counter(
             "waystation_outage_retries",
             "Retries of a message because a service was unavailable (database or broker).",

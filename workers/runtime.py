@@ -101,6 +101,10 @@ log = logging.getLogger(__name__)
 MAX_CONFLICT_RETRIES = 50
 
 
+class UnreadableStream(Exception):
+    """A task's stream holds events this worker cannot read (a newer version wrote them)."""
+
+
 class Disposition(enum.Enum):
     ACK = "ack"
     REQUEUE = "requeue"
@@ -408,6 +412,14 @@ class Worker:
                 self.metrics.outages.labels("broker").inc()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+            except UnreadableStream as error:
+                # a rolling upgrade: leave it to a worker that can read it. Each requeue counts
+                # toward the queue's delivery limit, after which the broker dead-letters it
+                # (replay it once every worker is upgraded)
+                log.warning("%s; requeueing it for a newer worker", error)
+                self.metrics.unreadable.inc()
+                await asyncio.sleep(min(0.5 * _attempt(message), 5.0))
+                return _Settled(Disposition.REQUEUE)
             except Exception:
                 log.exception("handling %s %s failed; requeueing", kind, message.message_id)
                 self.stats.count("processing_errors")
@@ -836,7 +848,12 @@ class Worker:
                     limit=100, lease=30.0, deployment=self.names.prefix
                 )
                 for call in expired:
-                    await self._record_timeout(call)
+                    try:
+                        await self._record_timeout(call)
+                    except UnreadableStream as error:
+                        # its lease runs out and a (newer) worker's sweep takes it again
+                        log.warning("deadline sweep: %s", error)
+                        self.metrics.unreadable.inc()
             except asyncio.CancelledError:
                 raise
             except Exception as error:
@@ -873,6 +890,9 @@ class Worker:
     async def _load(self, task_id: str) -> TaskState:
         state = fold(task_id, await self.store.read_stream(task_id))
         add_to_context(task_id=task_id, trace_id=state.trace_id)
+        if state.unreadable:
+            # deciding on part of the story could contradict what the unread events say
+            raise UnreadableStream(f"task {task_id}: cannot read {', '.join(state.unreadable)}")
         return state
 
     def _default_timeout(self, spec: AgentSpec) -> float:
