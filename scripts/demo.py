@@ -105,14 +105,6 @@ class Line:
     """None: information, not a check."""
 
 
-class _BrokerCancelAtClose(logging.Filter):
-    """The client deletes its reply queue while consuming it when it closes, and aiormq logs the
-    broker's consumer cancel that follows as a warning; that one is expected and means nothing."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "cancelled by the broker" not in record.getMessage()
-
-
 class Demo:
     def __init__(self) -> None:
         base = Settings()
@@ -729,7 +721,6 @@ def summary_table(lines: list[Line], elapsed: float, passed: bool) -> Table:
 
 def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
-    logging.getLogger("aiormq.channel").addFilter(_BrokerCancelAtClose())
     demo = Demo()
     failures, error, interrupted = run_guarded(demo.run, demo.cleanup, demo.interrupt, name="demo")
     elapsed = time.monotonic() - demo.started

@@ -18,7 +18,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import (
@@ -32,6 +32,11 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from events.codec import dumps
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from events.postgres import PostgresEventStore
 
 __all__ = ["Health", "HttpServer", "Metrics", "MetricsPortUnavailable"]
 
@@ -231,16 +236,13 @@ class HttpServer:
         )
 
 
-async def database_gauges(metrics: Metrics, store: Any) -> None:
+async def database_gauges(metrics: Metrics, store: PostgresEventStore) -> None:
     """Read the outbox backlog and the projections' lag into their gauges."""
     metrics.outbox_backlog.set(await store.outbox_size())
-    engine = getattr(store, "engine", None)
-    if engine is None:  # the in-memory store has no projections
-        return
-    await projection_gauges(metrics, engine)
+    await projection_gauges(metrics, store.engine)
 
 
-async def projection_gauges(metrics: Metrics, engine: Any) -> None:
+async def projection_gauges(metrics: Metrics, engine: AsyncEngine) -> None:
     from projections.postgres import projection_status
 
     for status in await projection_status(engine):

@@ -1,8 +1,8 @@
 """``projections.audit``: verify_stream finds each kind of problem; timeline reads a stream.
 
-Streams are built with the real hash chain (``events.chain.chain``), so an invariant broken on
-purpose shows as exactly that problem and nothing else; structural damage (a hash, a link, a
-version) is done afterwards, as a tampering would.
+Streams are built with the real hash chain (``events.chain.recorded_events``), so an invariant
+broken on purpose shows as exactly that problem and nothing else; structural damage (a hash, a
+link, a version) is done afterwards, as a tampering would.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from events import (
     TaskStarted,
     event_id,
 )
-from events.chain import chain
+from events.chain import recorded_events
 from events.codec import GENESIS_HASH
 from projections.audit import Problem, pauses, timeline, verify_stream
 
@@ -45,23 +45,12 @@ def build(
         for index, event in enumerate(domain_events)
     ]
     return [
-        RecordedEvent(
-            stream_id=stream_id,
-            stream_version=version,
-            event_id=event.event_id,
-            event_type=event.event_type,
-            data=event.data,
-            metadata=event.metadata,
-            schema_version=event.schema_version,
-            prev_hash=previous,
-            hash=digest,
-            global_position=version,
-            tx_id=version,
-            recorded_at=START + timedelta(milliseconds=step_ms * (version - 1)),
+        dataclasses.replace(
+            event,
+            tx_id=event.stream_version,
+            recorded_at=START + timedelta(milliseconds=step_ms * (event.stream_version - 1)),
         )
-        for event, (version, previous, digest) in zip(
-            new, chain(stream_id, 0, new, GENESIS_HASH), strict=True
-        )
+        for event in recorded_events(stream_id, 0, new, GENESIS_HASH, first_position=1)
     ]
 
 
