@@ -187,6 +187,7 @@ class WorkerProcess:
                 "WAYSTATION_OUTBOX_DELAY": str(self.settings.outbox_delay),
                 "WAYSTATION_OUTBOX_POLL_INTERVAL": str(self.settings.outbox_poll_interval),
                 "WAYSTATION_CONCURRENCY": str(self.settings.concurrency),
+                "WAYSTATION_RESUME_IN_PLACE": str(self.settings.resume_in_place).lower(),
                 # many workers run at once here: a test that scrapes one gives it a port
                 "WAYSTATION_METRICS_PORT": "0",
                 "PYTHONPATH": str(ROOT),

@@ -2,7 +2,8 @@
 
 Every message goes through the same four steps (DESIGN.md §5): **decide** (pure, in
 ``events.task``), **append** (one statement: the events and the outbox rows they imply),
-**publish** (the implied messages, with confirms), then **settle**. Handlers never ack;
+**publish** (the implied messages; their confirms arrive in the background, since the outbox
+already holds them), then **settle**. Handlers never ack;
 ``_settle`` is the one place that acks, requeues or dead-letters, and it runs only after the
 outcome is durable (G1). Peer requests exist only as outbox rows of a committed pause until they
 are published, so no reply can overtake its checkpoint (G5); a worker that dies after the commit
@@ -30,8 +31,8 @@ import enum
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -51,8 +52,11 @@ from events import (
     OutboxMessage,
     Outcome,
     Pause,
+    RecordedEvent,
     StoreUnavailable,
     SubtaskClaimed,
+    TaskFailed,
+    TaskResumed,
     TaskStarted,
     TaskState,
     VersionConflict,
@@ -66,6 +70,7 @@ from events import (
     fold,
     parse_subtask_id,
 )
+from events.chain import recorded_events
 from events.codec import dumps, loads
 
 from . import topology
@@ -78,6 +83,7 @@ from .publisher import Publisher
 from .settings import Settings
 from .wire import (
     HEADER_DETAIL,
+    HEADER_PRIOR_ATTEMPTS,
     HEADER_QUEUE,
     HEADER_REASON,
     HEADER_ROOT,
@@ -195,10 +201,36 @@ def _error_of(error: BaseException) -> dict[str, str]:
     return {"type": type(error).__name__, "message": str(error)[:2000]}
 
 
+def _resume_context(spec: AgentSpec, state: TaskState) -> TaskContext:
+    """What the handler of a resumed task sees: its input, saved state and the pause's results."""
+    return TaskContext(
+        task_id=state.task_id,
+        agent=spec.name,
+        input=_copy_json(state.input),
+        # a private copy: mutating it persists nothing and cannot disturb the delta
+        state=MappingProxyType(_copy_json(dict(state.state))),
+        pause=state.pause,
+        results=tuple(state.results_of_pause()),
+        trace_id=state.trace_id,
+        root_task_id=state.root_id,
+    )
+
+
 def _attempt(message: AbstractIncomingMessage) -> int:
-    """Which delivery of this message this is (quorum queues count redeliveries)."""
-    count = (message.headers or {}).get("x-delivery-count", 0)
-    return count + 1 if isinstance(count, int) and count >= 0 else 1
+    """Which attempt this delivery is: quorum queues count redeliveries, and a resume message
+    counts the runs that failed in place before it was sent."""
+    headers = message.headers or {}
+    count = headers.get("x-delivery-count", 0)
+    prior = headers.get(HEADER_PRIOR_ATTEMPTS, 0) if message.type == TYPE_RESUME else 0
+    attempt = count + 1 if isinstance(count, int) and count >= 0 else 1
+    return attempt + (prior if isinstance(prior, int) and 0 <= prior < 100 else 0)
+
+
+def _with_prior_attempts(message: OutboxMessage, attempts: int) -> OutboxMessage:
+    if message.properties.get("type") != TYPE_RESUME:
+        return message
+    headers = {**(message.properties.get("headers") or {}), HEADER_PRIOR_ATTEMPTS: attempts}
+    return replace(message, properties={**message.properties, "headers": headers})
 
 
 class Worker:
@@ -227,6 +259,8 @@ class Worker:
         self._consumers: list[tuple[AbstractQueue, str]] = []
         self._background: list[asyncio.Task[None]] = []
         self._spawned: set[asyncio.Task[Any]] = set()
+        self._publishing: set[asyncio.Task[None]] = set()
+        """Publishes of committed outbox rows awaiting their confirms."""
         self._published_outbox: list[int] = []
         self._inflight = 0
         self._idle = asyncio.Event()
@@ -299,9 +333,13 @@ class Worker:
                 "%d messages still in flight after the grace period; they will be redelivered",
                 self._inflight,
             )
-        for task in [*self._background, *self._spawned]:
+        if self._publishing:
+            # their frames are sent; their confirms let the rows be forgotten now rather than
+            # republished by another worker's relay
+            await asyncio.wait(set(self._publishing), timeout=self.settings.shutdown_grace)
+        for task in [*self._background, *self._spawned, *self._publishing]:
             task.cancel()
-        for task in [*self._background, *self._spawned]:
+        for task in [*self._background, *self._spawned, *self._publishing]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         with contextlib.suppress(Exception):
@@ -641,19 +679,8 @@ class Worker:
             self.stats.count("duplicate_resumes")
             self.metrics.duplicates.inc()
             return _ack()
-        context = TaskContext(
-            task_id=task_id,
-            agent=spec.name,
-            input=_copy_json(state.input),
-            # a private copy: mutating it persists nothing and cannot disturb the delta
-            state=MappingProxyType(_copy_json(dict(state.state))),
-            pause=pause,
-            results=tuple(state.results_of_pause()),
-            trace_id=state.trace_id,
-            root_task_id=state.root_id,
-        )
         try:
-            outcome = await self._run_handler(spec, context)
+            outcome = await self._run_handler(spec, _resume_context(spec, state))
         except Exception as error:
             return await self._handler_failed(message, state, error)
         returned_at = time.perf_counter()
@@ -805,14 +832,88 @@ class Worker:
             self.stats.count("replies_ignored")
             return f"ignored:{subtask}:{message.message_id or uuid.uuid4()}"
 
+        cause = _Cause.of(message)
+
+        async def resume_in_place(
+            state: TaskState, recorded: list[RecordedEvent], events: list[DomainEvent]
+        ) -> _Extension | None:
+            return await self._resume_in_place(state, recorded, events, cause)
+
         applied = await self._append_decision(
-            task_id, decide, key=key, cause=_Cause.of(message), step="reply"
+            task_id, decide, key=key, cause=cause, step="reply", extend=resume_in_place
         )
         if not applied.state.exists:
             return _dead("unknown-task", f"no task {task_id!r} in the log")
         if not applied.events:
             self.stats.count("redelivered_recognised")
-        return _ack()
+        return _ack(applied.checkpoint_started)
+
+    async def _resume_in_place(
+        self,
+        state: TaskState,
+        recorded: list[RecordedEvent],
+        events: list[DomainEvent],
+        cause: _Cause,
+    ) -> _Extension | None:
+        """Run the resumed handler now, on the instance that records the pause's last reply, so
+        that its outcome joins the same append (DESIGN.md §8): no resume message, no second read,
+        one transaction fewer. The reply stays unacked until that append commits, so a crash
+        redelivers the reply and the whole step runs again (nothing was recorded).
+
+        None leaves the decision as it was (``TaskResumed`` and a resume message, which any
+        instance serving the agent takes): when resuming in place is off, or when this worker
+        does not serve the task's agent. When the handler raises or returns something invalid,
+        the decision stays too, and its resume message counts that failed run, so that retries
+        and the final failure follow the resume path within the same delivery limit.
+        """
+        if not (self.settings.resume_in_place and events and isinstance(events[-1], TaskResumed)):
+            return None
+        spec = self.app.agents.get(state.agent or "")
+        if spec is None:
+            return None
+        decided_at = self._clock()
+        metadata = self._metadata(state, cause)
+        own = [NewEvent.of(uuid.uuid4(), event, metadata) for event in events]
+        resumed = fold(
+            state.task_id,
+            [*recorded, *recorded_events(state.task_id, state.version, own, state.last_hash)],
+        )
+        try:
+            outcome = await self._run_handler(spec, _resume_context(spec, resumed))
+            returned_at = time.perf_counter()
+            self._faults.hit("resume.in-place")
+            following = decide_outcome(
+                resumed,
+                outcome,
+                now=self._clock(),
+                default_timeout=self._default_timeout(spec),
+                max_timeout=self.settings.max_call_duration,
+            )
+        except InvalidTransition as error:
+            # an outcome that can never be recorded: retrying cannot help (as on the resume path)
+            log.error(
+                "task %s failed for good: its run resumed in place gave %s",
+                state.task_id,
+                _error_of(error),
+            )
+            return _Extension(
+                [*events, *decide_failure(resumed, _error_of(error))],
+                checkpoint_started=None,
+                resumed_at=decided_at,
+            )
+        except Exception as error:
+            log.warning(
+                "task %s: the resumed handler raised %s; a resume message retries it",
+                state.task_id,
+                _error_of(error),
+            )
+            self.stats.count("resumes_handed_over")
+            return _Extension(events, checkpoint_started=None, resumed_at=None, failed_runs=1)
+        return _Extension(
+            [*events, *following],
+            checkpoint_started=returned_at if isinstance(outcome, Pause) else None,
+            resumed_at=decided_at,
+        )
 
     async def _handle_progress(self, message: AbstractIncomingMessage, body: Any) -> _Settled:
         found = self._subtask_of(message)
@@ -888,12 +989,16 @@ class Worker:
     # ---- append, publish ---------------------------------------------------------------------
 
     async def _load(self, task_id: str) -> TaskState:
-        state = fold(task_id, await self.store.read_stream(task_id))
+        return (await self._load_events(task_id))[0]
+
+    async def _load_events(self, task_id: str) -> tuple[TaskState, list[RecordedEvent]]:
+        recorded = await self.store.read_stream(task_id)
+        state = fold(task_id, recorded)
         add_to_context(task_id=task_id, trace_id=state.trace_id)
         if state.unreadable:
             # deciding on part of the story could contradict what the unread events say
             raise UnreadableStream(f"task {task_id}: cannot read {', '.join(state.unreadable)}")
-        return state
+        return state, recorded
 
     def _default_timeout(self, spec: AgentSpec) -> float:
         return spec.default_timeout or self.settings.default_call_timeout
@@ -907,6 +1012,10 @@ class Worker:
         cause: _Cause,
         step: str,
         describe_new: Callable[[TaskState], TaskState] | None = None,
+        extend: Callable[
+            [TaskState, list[RecordedEvent], list[DomainEvent]], Awaitable[_Extension | None]
+        ]
+        | None = None,
     ) -> _Applied:
         """Read, decide, append; on a conflict (or when the same decision was already recorded
         by someone else) read and decide again. Returns the state decided on and the events
@@ -915,26 +1024,46 @@ class Worker:
         A decision is recorded under its causation key, so the same key gives the same event ids:
         when a fresh decision comes back with the key whose events were just found in the log,
         it is recorded already (a redelivered ignored reply, a progress report seen twice), and
-        committing it again would only find them again, forever."""
+        committing it again would only find them again, forever.
+
+        ``extend`` may add to a decision before it is appended (the resumed run's outcome, see
+        ``_resume_in_place``); it runs again with every re-decision."""
         async with self._streams.hold(task_id):
             found: str | None = None
             for _ in range(MAX_CONFLICT_RETRIES):
-                state = await self._load(task_id)
+                state, history = await self._load_events(task_id)
                 events = decide(state)
                 if not events:
                     return _Applied(state, [])
                 causation = key(events)
                 if causation == found:
                     return _Applied(state, [])
+                extension = await extend(state, history, events) if extend else None
+                if extension is not None:
+                    events = extension.events
                 described = state if state.exists or describe_new is None else describe_new(state)
                 try:
-                    recorded = await self._commit(described, events, causation, cause, step=step)
+                    recorded = await self._commit(
+                        described,
+                        events,
+                        causation,
+                        cause,
+                        step=step,
+                        resume_attempts=extension.failed_runs if extension else 0,
+                    )
                 except VersionConflict:
                     self.stats.count("version_conflicts")
                     self.metrics.version_conflicts.inc()
                     continue
                 if recorded:
-                    return _Applied(state, events)
+                    if extension is None or extension.resumed_at is None:
+                        return _Applied(state, events)
+                    self.stats.count("resumed_in_place")
+                    if isinstance(events[-1], TaskFailed):
+                        self.stats.count("tasks_failed")
+                    log.debug("resumed in place from pause %d", state.pause)
+                    self.metrics.resume.observe(max(0.0, self._clock() - extension.resumed_at))
+                    return _Applied(state, events, extension.checkpoint_started)
                 found = causation
         raise RuntimeError(f"{step} on {task_id}: gave up after {MAX_CONFLICT_RETRIES} conflicts")
 
@@ -946,22 +1075,20 @@ class Worker:
         cause: _Cause,
         *,
         step: str,
+        resume_attempts: int = 0,
     ) -> bool:
-        """Append and publish; False when the events were already recorded (nothing done)."""
-        metadata = EventMetadata(
-            worker_id=self.settings.worker_id,
-            amqp_user=cause.amqp_user,
-            causation_id=cause.message_id,
-            correlation_id=state.root_id or state.task_id,
-            trace_id=state.trace_id,
-            occurred_at=self._clock(),
-            deployment=self.names.prefix,
-        )
+        """Append and publish; False when the events were already recorded (nothing done).
+
+        ``resume_attempts``: runs of the resumed handler that already failed in place; the resume
+        message carries the count, so that the retries stay within the delivery limit."""
+        metadata = self._metadata(state, cause)
         new_events = [
             NewEvent.of(event_id(state.task_id, causation_key, index), event, metadata)
             for index, event in enumerate(events)
         ]
         messages = implied_messages(self.names, state, events)
+        if resume_attempts:
+            messages = [_with_prior_attempts(m, resume_attempts) for m in messages]
         result = await asyncio.shield(
             self.store.append(
                 state.task_id,
@@ -985,16 +1112,38 @@ class Worker:
                     state.agent or "?", _FINISHED[event.event_type]
                 ).inc()
         self._faults.hit(f"{step}.committed")
-        await self._publish_committed(state.task_id, result.outbox_ids, messages)
+        if messages:
+            # committed, so the outbox holds them (G4): send now, and let their confirms arrive
+            # while this message is acked and the next one handled. Confirmed rows are forgotten;
+            # the rest the relay publishes after outbox_delay.
+            publishing = asyncio.create_task(
+                self._publish_committed(state.task_id, result.outbox_ids, messages)
+            )
+            self._publishing.add(publishing)
+            publishing.add_done_callback(self._publishing.discard)
+            await asyncio.sleep(0)  # let it hand its frames to the connection first
         self._faults.hit(f"{step}.published")
         return True
+
+    def _metadata(self, state: TaskState, cause: _Cause) -> EventMetadata:
+        return EventMetadata(
+            worker_id=self.settings.worker_id,
+            amqp_user=cause.amqp_user,
+            causation_id=cause.message_id,
+            correlation_id=state.root_id or state.task_id,
+            trace_id=state.trace_id,
+            occurred_at=self._clock(),
+            deployment=self.names.prefix,
+        )
 
     async def _publish_committed(
         self, task_id: str, outbox_ids: Sequence[int], messages: Sequence[OutboxMessage]
     ) -> None:
-        if not messages:
+        try:
+            errors = await self._require_publisher().publish_all(messages)
+        except Exception as failure:  # the relay publishes them after outbox_delay
+            log.warning("publishing after a commit failed (%s); the outbox relay will", failure)
             return
-        errors = await self._require_publisher().publish_all(messages)
         for outbox_id, message, error in zip(outbox_ids, messages, errors, strict=True):
             if error is None:
                 self._published_outbox.append(outbox_id)
@@ -1118,3 +1267,17 @@ class _Applied:
     """The state the decision was taken on."""
     events: list[DomainEvent]
     """What was appended; [] when there was nothing to do."""
+    checkpoint_started: float | None = None
+    """perf_counter() when a handler run in place returned a pause."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Extension:
+    """What an ``extend`` hook adds to a decision: the events to append instead, with when the
+    handler that produced them returned a pause and when the resume was decided."""
+
+    events: list[DomainEvent]
+    checkpoint_started: float | None
+    resumed_at: float | None
+    """None when the run in place failed (the decision goes on by resume message)."""
+    failed_runs: int = 0

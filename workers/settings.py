@@ -42,6 +42,10 @@ class Settings(BaseSettings):
     """Bodies larger than this are dead-lettered as ``too-large``."""
     max_header_bytes: int = Field(default=64 * 1024, ge=1)
     """Headers larger than this (as JSON) are dead-lettered as ``headers-too-large``."""
+    resume_in_place: bool = True
+    """The worker that records a pause's last reply runs the resumed handler at once and appends
+    its outcome with that reply (no resume message; DESIGN.md §8). Off: every resume travels as
+    a message on the agent's queue. A resumed handler that raises always goes by message."""
     audit_all_tasks: bool = False
     """Record tasks that complete without calling peers too (off: they write nothing)."""
     delivery_limit: int = Field(default=5, ge=1)

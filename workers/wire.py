@@ -37,6 +37,7 @@ from events.codec import dumps
 __all__ = [
     "CONTENT_TYPE",
     "HEADER_DETAIL",
+    "HEADER_PRIOR_ATTEMPTS",
     "HEADER_QUEUE",
     "HEADER_REASON",
     "HEADER_ROOT",
@@ -55,6 +56,9 @@ HEADER_TRACEPARENT = "traceparent"
 """W3C Trace Context: a publisher that sends it (and no HEADER_TRACE) has its trace id used."""
 HEADER_ROOT = "x-waystation-root-task"
 """The root task of a call tree; a peer request carries it so every event names its root."""
+
+HEADER_PRIOR_ATTEMPTS = "x-waystation-prior-attempts"
+"""On an internal resume message: runs of the resumed handler that already failed in place."""
 
 HEADER_REASON = "x-waystation-reason"
 """On a dead letter: why, as a machine-readable code (README, "Dead letters")."""
@@ -196,6 +200,12 @@ def cancel_message(
     )
 
 
+def _resumed_here(following: Sequence[DomainEvent]) -> bool:
+    """True when the resumed run's outcome is in the same append (resumed in place): then no
+    resume message is needed, its work is done."""
+    return any(isinstance(e, (TaskPaused, TaskCompleted, TaskFailed)) for e in following)
+
+
 def implied_messages(
     names: Names, state: TaskState, events: Sequence[DomainEvent]
 ) -> list[OutboxMessage]:
@@ -206,7 +216,7 @@ def implied_messages(
     """
     agent = state.agent or ""
     messages: list[OutboxMessage] = []
-    for event in events:
+    for position, event in enumerate(events):
         if isinstance(event, TaskPaused):
             for call in event.calls:
                 messages.append(
@@ -223,7 +233,7 @@ def implied_messages(
                         },
                     )
                 )
-        elif isinstance(event, TaskResumed):
+        elif isinstance(event, TaskResumed) and not _resumed_here(events[position + 1 :]):
             messages.append(
                 OutboxMessage(
                     message_id=f"{state.task_id}:resume:{event.pause}",

@@ -41,22 +41,39 @@ EXPECTED = [
 ]
 
 WINDOWS = [
-    # (fault point, on which hit): what A leaves behind
-    ("pause.committed", 1),  # the pause, its requests only as outbox rows, the task unacked
-    ("pause.published", 1),  # the requests published, the task unacked
-    ("reply.committed", 1),  # the first claim committed, its reply unacked
-    ("reply.committed", K),  # the last claim and TaskResumed committed, the resume unpublished
-    ("reply.published", K),  # the resume published, the last reply unacked
-    ("resume.committed", 1),  # TaskCompleted committed, the result unpublished, the resume unacked
-    ("resume.published", 1),  # the result published, the resume unacked
+    # (fault point, on which hit, resume in place): what A leaves behind
+    ("pause.committed", 1, True),  # the pause, its requests only as outbox rows, the task unacked
+    ("pause.published", 1, True),  # the requests published, the task unacked
+    ("reply.committed", 1, True),  # the first claim committed, its reply unacked
+    # resumed in place: the last reply's handler run done, nothing of it recorded, reply unacked
+    ("resume.in-place", 1, True),
+    # resumed in place: the last claim, TaskResumed and TaskCompleted committed in one append,
+    # the result unpublished, the last reply unacked
+    ("reply.committed", K, True),
+    ("reply.published", K, True),  # the result published, the last reply unacked
+    # resume by message (WAYSTATION_RESUME_IN_PLACE=false)
+    ("reply.committed", K, False),  # the last claim and TaskResumed committed, resume unpublished
+    ("reply.published", K, False),  # the resume published, the last reply unacked
+    ("resume.committed", 1, False),  # TaskCompleted committed, result unpublished, resume unacked
+    ("resume.published", 1, False),  # the result published, the resume unacked
 ]
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize(("point", "after"), WINDOWS, ids=[f"{p}-{n}" for p, n in WINDOWS])
+@pytest.mark.parametrize(
+    ("point", "after", "in_place"),
+    WINDOWS,
+    ids=[f"{p}-{n}-{'in-place' if i else 'by-message'}" for p, n, i in WINDOWS],
+)
 async def test_a_worker_killed_in_a_crash_window_loses_nothing_and_repeats_nothing(
-    point: str, after: int, settings: Settings, store: PostgresEventStore, tmp_path: Path
+    point: str,
+    after: int,
+    in_place: bool,
+    settings: Settings,
+    store: PostgresEventStore,
+    tmp_path: Path,
 ) -> None:
+    settings = settings.model_copy(update={"resume_in_place": in_place})
     names = Names(settings.queue_prefix)
     logs = {"A": tmp_path / "worker-a.log", "B": tmp_path / "worker-b.log"}
     a = WorkerProcess(
