@@ -1,21 +1,37 @@
-"""The benchmark: the fan-out/fan-in job of DESIGN.md section 8 on real worker processes.
+"""The benchmark: the fan-out/fan-in job of DESIGN.md section 8 on real worker processes, and the
+figures around it (event appends, projection rebuilds, a worker's memory over a long run, a
+concurrency curve), optionally side by side with the same job in Celery.
 
-Each run gets a fresh database (``waystation_bench_<random>``, migrated, dropped at the end) and
-a fresh queue prefix (queues deleted at the end), and two worker sessions of fresh
-``python -m workers.cli worker`` subprocesses of the example app:
+Modes (``--only``, comma-separated; all by default):
 
-* throughput session: a warm-up, then ``--parents`` orchestrator tasks (K researchers each,
+* ``throughput``: per run, a warm-up, then ``--parents`` orchestrator tasks (K researchers each,
   work_ms 0) kept ``--in-flight`` at a time; parents/s and submit-to-result latency;
-* single session: a short warm-up, then ``--single`` parents one at a time; latency.
+* ``single``: per run, a short warm-up, then ``--single`` parents one at a time; latency, and the
+  checkpoint's own cost without queueing (``checkpoint_p50_ms``);
+* ``curve``: throughput and latency at each of ``--curve-points`` parents in flight, each point a
+  window of ``--curve-seconds`` in a continuous stream (after a warm-up of max(in flight, 50)
+  completions); a PNG chart (``--chart``);
+* ``memory``: ``--memory-tasks`` tasks (a parent is 1+K tasks) through the workers; each
+  worker's VmRSS after the warm-up, periodically, and at the end;
+* ``append``: event appends to the PostgreSQL log, batched, by concurrent writers
+  (:mod:`_bench.append`);
+* ``rebuild``: projection rebuilds from position zero (:mod:`_bench.rebuild`).
 
-The workers are stopped with SIGTERM after each session and write their stats file
-(``WAYSTATION_STATS_FILE``): checkpoint latencies (handler returned a pause until its ack) and
-counters. Per parent, over the whole session (warm-up included, so that database statistics are
-flushed by the exiting backends and nothing is cut in half): database transactions (the
-database's ``pg_stat_database.xact_commit``), messages (each delivery a worker settled, plus the
-result the client received; cross-checked with RabbitMQ's global counters when rabbitmqctl works).
-Per parent over the measured phase only: CPU of the workers (/proc/<pid>/stat), of RabbitMQ, and
+Each run of the worker modes gets a fresh database (``waystation_bench_<random>``, migrated,
+dropped at the end) and a fresh queue prefix (queues deleted at the end), and each session fresh
+``python -m workers.cli worker`` subprocesses of the example app. The workers are stopped with
+SIGTERM after each session and write their stats file (``WAYSTATION_STATS_FILE``): checkpoint
+latencies (handler returned a pause until its ack) and counters. Per parent, over the whole
+session (warm-up included, so that database statistics are flushed by the exiting backends and
+nothing is cut in half): database transactions (the database's ``pg_stat_database.xact_commit``),
+messages (each delivery a worker settled, plus the result the client received; cross-checked
+with RabbitMQ's global counters when rabbitmqctl works). Per parent over the measured phase
+only: CPU of the workers (/proc/<pid>/stat), of RabbitMQ, of the bench process (the client) and
 of the whole machine. Figures are the median across ``--runs``; the JSON has every run.
+
+``--compare celery`` runs the same job in Celery (:mod:`_bench.celery_job`) in the same runs,
+right after the Waystation sessions, with the same parents and parents in flight, and at every
+curve point; ``ratio_vs_celery`` is the ratio of the median throughputs.
 """
 
 from __future__ import annotations
@@ -26,14 +42,12 @@ import contextlib
 import json
 import os
 import platform
-import resource
-import shlex
-import statistics
 import sys
 import tempfile
 import time
 import traceback
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,11 +58,12 @@ from _bench import (
     ROOT,
     WorkerProcess,
     broker_counters,
+    cpu_per_parent_ms,
+    cpu_snapshot,
     database_counters,
     delete_topology,
     log_problems,
     percentile,
-    process_cpu_seconds,
     queue_depths,
     rabbitmq_pid,
     run_guarded,
@@ -60,7 +75,11 @@ from _bench import (
     wait_for_consumers,
     with_database,
 )
+from _bench.append import append_benchmark
+from _bench.drive import BenchFailure, One, Progress, measure
+from _bench.memory import RssSampler, rss_summary
 from _bench.rebuild import rebuild_benchmark
+from _bench.report import fmt, memory_parents, print_report, summarise
 
 import migrations
 from workers.client import Client
@@ -71,67 +90,163 @@ from workers.wire import Names
 
 AGENTS = tuple(example_app.agents)
 SINGLE_WARMUP = 20
+MODES = ("throughput", "single", "curve", "memory", "append", "rebuild")
+CELERY_POOLS = ("solo", "prefork", "threads")  # as _bench.celery_job.POOLS (needs no celery here)
+
+
+def _modes(value: str) -> list[str]:
+    modes = [m.strip() for m in value.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(MODES)}"
+        )
+    return [m for m in MODES if m in modes]
+
+
+def _points(value: str) -> list[int]:
+    try:
+        points = sorted({int(p) for p in value.split(",") if p.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {value!r}") from None
+    if not points or points[0] < 1:
+        raise argparse.ArgumentTypeError("points must be integers of at least 1")
+    return points
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="scripts/bench",
-        description="Fan-out/fan-in benchmark of Waystation on real worker processes.",
+        description="Fan-out/fan-in benchmark of Waystation on real worker processes, with event "
+        "appends, projection rebuilds, memory over a long run and a concurrency curve; "
+        "optionally side by side with the same job in Celery.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--parents", type=int, default=2000, help="parents in the throughput phase")
-    parser.add_argument("--in-flight", type=int, default=100, help="parents in flight at once")
-    parser.add_argument("--k", type=int, default=3, help="researchers per parent")
     parser.add_argument(
+        "--only",
+        type=_modes,
+        default=list(MODES),
+        metavar="MODES",
+        help=f"comma-separated modes to run, of: {', '.join(MODES)}",
+    )
+    parser.add_argument(
+        "--compare",
+        choices=["celery"],
+        default=None,
+        help="run the same job in Celery (RabbitMQ broker, Redis results, acks_late) side by side "
+        "in the throughput, single and curve modes",
+    )
+    job = parser.add_argument_group("the job (both systems)")
+    job.add_argument("--parents", type=int, default=2000, help="parents in the throughput phase")
+    job.add_argument("--in-flight", type=int, default=100, help="parents in flight at once")
+    job.add_argument("--k", type=int, default=3, help="researchers per parent")
+    job.add_argument(
         "--single",
         type=int,
         default=200,
         help="parents submitted one at a time (single-parent latency); 0 skips",
     )
-    parser.add_argument("--runs", type=int, default=3, help="runs; medians are reported")
-    parser.add_argument("--warmup", type=int, default=100, help="unmeasured parents first")
-    parser.add_argument("--workers", type=int, default=2, help="worker processes")
-    parser.add_argument("--work-ms", type=float, default=0.0, help="simulated work per researcher")
-    parser.add_argument(
+    job.add_argument("--runs", type=int, default=3, help="runs; medians are reported")
+    job.add_argument("--warmup", type=int, default=100, help="unmeasured parents first")
+    job.add_argument("--workers", type=int, default=2, help="worker processes")
+    job.add_argument("--work-ms", type=float, default=0.0, help="simulated work per researcher")
+    job.add_argument(
         "--concurrency",
         type=int,
         default=None,
         help="WAYSTATION_CONCURRENCY of the workers (default: the worker's own)",
     )
-    parser.add_argument(
+    job.add_argument(
         "--timeout",
         type=float,
         default=120.0,
         help="seconds to wait for any one result before giving up",
     )
-    parser.add_argument(
+    curve = parser.add_argument_group("curve mode")
+    curve.add_argument(
+        "--curve-points",
+        type=_points,
+        default=[1, 10, 100, 500],
+        metavar="N,N,...",
+        help="parents in flight at each point of the concurrency curve",
+    )
+    curve.add_argument(
+        "--curve-seconds",
+        type=float,
+        default=10.0,
+        help="measuring window of each curve point (after its warm-up)",
+    )
+    curve.add_argument(
+        "--chart", default="bench-results/concurrency.png", help="where to draw the curve (PNG)"
+    )
+    memory = parser.add_argument_group("memory mode")
+    memory.add_argument(
+        "--memory-tasks",
+        type=int,
+        default=100_000,
+        help="tasks through the workers, warm-up included (a parent is 1+K tasks)",
+    )
+    memory.add_argument(
+        "--memory-warmup", type=int, default=1000, help="parents before the start sample"
+    )
+    memory.add_argument(
+        "--memory-sample-every", type=float, default=5.0, help="seconds between RSS samples"
+    )
+    append = parser.add_argument_group("append mode")
+    append.add_argument(
+        "--append-events", type=int, default=200_000, help="events appended per run (batched)"
+    )
+    append.add_argument("--append-batch", type=int, default=100, help="events per append")
+    append.add_argument("--append-writers", type=int, default=8, help="concurrent writers")
+    rebuild = parser.add_argument_group("rebuild mode")
+    rebuild.add_argument(
         "--rebuild-events",
         type=int,
         default=200_000,
         help="events in the log of the projection-rebuild benchmark; 0 skips it",
     )
-    parser.add_argument(
+    rebuild.add_argument(
         "--rebuild-only",
         action="store_true",
-        help="only the projection-rebuild benchmark, not the worker sessions",
+        help="only the projection-rebuild benchmark (the same as --only rebuild)",
+    )
+    celery = parser.add_argument_group("--compare celery")
+    celery.add_argument(
+        "--celery-pool",
+        choices=CELERY_POOLS,
+        default="solo",
+        help="solo: --workers `celery worker --pool solo` processes; prefork: one worker with "
+        "--concurrency=--workers; threads: --workers processes of --celery-threads threads",
+    )
+    celery.add_argument(
+        "--celery-threads", type=int, default=4, help="threads per process of --celery-pool threads"
+    )
+    celery.add_argument(
+        "--celery-queue-type",
+        choices=["classic", "quorum"],
+        default="classic",
+        help="type of the Celery task queue (Celery's default is classic; Waystation's queues "
+        "are quorum queues)",
     )
     parser.add_argument(
         "--json", default="bench-results/latest.json", help="where to write results"
     )
     args = parser.parse_args(argv)
-    for name in ("parents", "in_flight", "k", "runs", "workers"):
+    if args.rebuild_only:
+        args.only = ["rebuild"]
+    for name in ("parents", "in_flight", "k", "runs", "workers", "append_batch", "append_writers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.single < 0 or args.warmup < 0:
-        parser.error("--single and --warmup must not be negative")
+    if args.single < 0 or args.warmup < 0 or args.memory_warmup < 0 or args.rebuild_events < 0:
+        parser.error("--single, --warmup, --memory-warmup, --rebuild-events: not negative")
+    if args.curve_seconds <= 0 or args.memory_sample_every <= 0:
+        parser.error("--curve-seconds and --memory-sample-every must be positive")
+    if memory_parents(args) <= args.memory_warmup:
+        parser.error("--memory-tasks must make more parents than --memory-warmup")
     return args
 
 
 # ---- one worker session ------------------------------------------------------------------------
-
-
-class BenchFailure(Exception):
-    """The job itself went wrong (a wrong or missing result, a worker that died)."""
 
 
 @dataclass
@@ -143,6 +258,10 @@ class Session:
     stats_files: list[Path] = field(default_factory=list)
     parents: int = 0
     """Every parent the workers saw (warm-up included)."""
+
+
+Observer = Callable[[Session, Progress], contextlib.AbstractAsyncContextManager[Any]]
+"""Entered just before a session's measured phase and left right after it (the memory sampler)."""
 
 
 class Bench:
@@ -158,12 +277,16 @@ class Bench:
         self.cleanups: list[tuple[str, str]] = []
         """(database URL, queue prefix) of each run, for the cleanup."""
         self.stopping = False
+        self.celery: Any = None
+        """The :class:`_bench.celery_job.CelerySide` with ``--compare celery``."""
 
     def interrupt(self) -> None:
         """On SIGINT/SIGTERM: submit nothing more, and SIGTERM the workers now."""
         self.stopping = True
         for worker in self.all_workers:
             worker.terminate()
+        if self.celery is not None:
+            self.celery.interrupt()
 
     # -- the parts of a session --
 
@@ -192,50 +315,26 @@ class Bench:
             session.stats_files.append(stats)
             self.all_workers.append(worker)
 
-    async def _drive(self, client: Client, count: int, in_flight: int) -> tuple[float, list[float]]:
-        """Run ``count`` parents, ``in_flight`` at a time; (elapsed seconds, latencies)."""
-        latencies: list[float] = []
-        remaining = count
+    def _one(self, client: Client) -> One:
+        """One parent: submit an orchestrator task, wait for its result, check it."""
         k = self.args.k
 
-        async def one_at_a_time() -> None:
-            nonlocal remaining
-            while remaining > 0 and not self.stopping:
-                remaining -= 1
-                n = self.next_n
-                self.next_n += 1
-                started = time.perf_counter()
-                task_id = await client.submit(
-                    "orchestrator", {"n": n, "k": k, "work_ms": self.args.work_ms}
-                )
-                try:
-                    result = await client.result(task_id, self.args.timeout)
-                except TimeoutError:
-                    raise BenchFailure(
-                        f"no result for parent n={n} within {self.args.timeout}s (see {self.logs})"
-                    ) from None
-                latencies.append(time.perf_counter() - started)
-                if not result.ok or result.result != {"n": n, "total": expected_total(n, k)}:
-                    raise BenchFailure(f"wrong result for parent n={n}: {result}")
+        async def one() -> None:
+            n = self.next_n
+            self.next_n += 1
+            task_id = await client.submit(
+                "orchestrator", {"n": n, "k": k, "work_ms": self.args.work_ms}
+            )
+            try:
+                result = await client.result(task_id, self.args.timeout)
+            except TimeoutError:
+                raise BenchFailure(
+                    f"no result for parent n={n} within {self.args.timeout}s (see {self.logs})"
+                ) from None
+            if not result.ok or result.result != {"n": n, "total": expected_total(n, k)}:
+                raise BenchFailure(f"wrong result for parent n={n}: {result}")
 
-        started = time.perf_counter()
-        try:
-            async with asyncio.TaskGroup() as group:  # one failure cancels the others
-                for _ in range(min(in_flight, count)):
-                    group.create_task(one_at_a_time())
-        except* BenchFailure as failures:
-            raise failures.exceptions[0] from None
-        return time.perf_counter() - started, latencies
-
-    def _cpu_snapshot(self, session: Session, broker: int | None) -> dict[str, float | None]:
-        workers = [process_cpu_seconds(w.pid) for w in session.workers]
-        own = resource.getrusage(resource.RUSAGE_SELF)
-        return {
-            "workers": None if None in workers else sum(w for w in workers if w is not None),
-            "broker": process_cpu_seconds(broker) if broker else None,
-            "bench": own.ru_utime + own.ru_stime,
-            "machine": system_busy_seconds(),
-        }
+        return one
 
     async def session(
         self,
@@ -244,16 +343,23 @@ class Bench:
         prefix: str,
         *,
         warmup: int,
-        measured: int,
         in_flight: int,
+        measured: int | None = None,
+        seconds: float | None = None,
+        observe: Observer | None = None,
     ) -> dict[str, Any]:
-        """Fresh workers; warm-up; the measured phase; SIGTERM; what they and we measured."""
+        """Fresh workers; warm-up; the measured phase; SIGTERM; what they and we measured.
+
+        The measured phase is ``measured`` parents after ``warmup`` ones; or, when ``measured``
+        is None, a window of ``seconds`` in a continuous stream after ``warmup`` completions.
+        """
         session = Session(label)
         database = database_url.rsplit("/", 1)[1]
         names = Names(prefix)
         broker_before = broker_counters()
         db_before = await database_counters(self.admin_url, database)
         self._start_workers(session, database_url, prefix)
+        progress = Progress()
         try:
             await wait_for_consumers(
                 self.amqp_url,
@@ -262,13 +368,28 @@ class Bench:
                 alive=lambda: all(w.alive() for w in session.workers),
             )
             broker_pid = rabbitmq_pid()
+
+            def snapshot() -> dict[str, float | None]:
+                return cpu_snapshot(
+                    {
+                        "workers": [w.pid for w in session.workers],
+                        "broker": [broker_pid] if broker_pid else None,
+                    }
+                )
+
             async with Client(self.amqp_url, queue_prefix=prefix) as client:
-                if warmup:
-                    await self._drive(client, warmup, in_flight)
-                cpu_before = self._cpu_snapshot(session, broker_pid)
-                elapsed, latencies = await self._drive(client, measured, in_flight)
-                cpu_after = self._cpu_snapshot(session, broker_pid)
-                session.parents = warmup + measured
+                result = await measure(
+                    self._one(client),
+                    in_flight,
+                    warmup=warmup,
+                    measured=measured,
+                    seconds=seconds,
+                    snapshot=snapshot,
+                    stopping=lambda: self.stopping,
+                    progress=progress,
+                    observe=observe(session, progress) if observe else None,
+                )
+                session.parents = result.total
                 results_received = len(client.results) + client.duplicates
                 result_duplicates = client.duplicates
             dead = [w.name for w in session.workers if not w.alive()]
@@ -297,16 +418,11 @@ class Bench:
             for name, value in stats["counters"].items():
                 counters[name] = counters.get(name, 0) + int(value)
             per_worker.append([float(s) for s in stats["checkpoint_seconds"]])
-        checkpoints = _drop_warmup(per_worker, warmup)
+        checkpoints = _drop_warmup(per_worker, result.warmup)
 
         parents = session.parents
         settled = sum(v for k, v in counters.items() if k.startswith("settled_"))
-        cpu: dict[str, float | None] = {}
-        for name, before in cpu_before.items():
-            after = cpu_after[name]
-            cpu[name] = (
-                None if before is None or after is None else (after - before) * 1000 / measured
-            )
+        cpu_ms = cpu_per_parent_ms(result.before, result.after, result.measured)
         broker_delta = (
             {k: broker_after[k] - broker_before[k] for k in broker_before}
             if broker_before and broker_after
@@ -314,20 +430,15 @@ class Bench:
         )
         problems, first_problems = log_problems(w.log_path for w in session.workers)
         return {
-            "parents_measured": measured,
-            "parents_total": parents,
-            "elapsed_s": elapsed,
-            "parents_per_s": measured / elapsed,
-            "latency_p50_ms": _ms(percentile(latencies, 50)),
-            "latency_p99_ms": _ms(percentile(latencies, 99)),
-            "latency_max_ms": _ms(max(latencies)),
+            **result.figures(),
+            "in_flight": in_flight,
             "checkpoints_counted": len(checkpoints),
             "checkpoint_p50_ms": _ms(percentile(checkpoints, 50)),
             "checkpoint_p99_ms": _ms(percentile(checkpoints, 99)),
-            "worker_cpu_ms_per_parent": cpu["workers"],
-            "broker_cpu_ms_per_parent": cpu["broker"],
-            "bench_client_cpu_ms_per_parent": cpu["bench"],
-            "machine_cpu_ms_per_parent": cpu["machine"],
+            "worker_cpu_ms_per_parent": cpu_ms["workers"],
+            "broker_cpu_ms_per_parent": cpu_ms["broker"],
+            "bench_client_cpu_ms_per_parent": cpu_ms["bench"],
+            "machine_cpu_ms_per_parent": cpu_ms["machine"],
             "db_transactions_per_parent": (db_after["xact_commit"] - db_before["xact_commit"])
             / parents,
             "db_rollbacks": db_after["xact_rollback"] - db_before["xact_rollback"],
@@ -351,9 +462,11 @@ class Bench:
             "leftover_messages": leftover,
         }
 
-    # -- a run and the whole bench --
+    # -- fresh databases and prefixes --
 
-    async def run(self, index: int) -> dict[str, Any]:
+    async def fresh(self, what: str) -> tuple[str, str, float]:
+        """A migrated database and a queue prefix of their own (removed by :meth:`_cleanup_run`),
+        and how busy the machine was with other work before starting."""
         tag = uuid.uuid4().hex[:10]
         database_url = with_database(self.admin_url, f"waystation_bench_{tag}")
         prefix = f"bench-{tag}."
@@ -361,51 +474,159 @@ class Bench:
         await migrations.upgrade(database_url)
         other_load = await _busy_cores(1.0)
         print(
-            f"run {index}: database waystation_bench_{tag}, prefix {prefix}; machine busy with "
+            f"{what}: database waystation_bench_{tag}, prefix {prefix}; machine busy with "
             f"other work: {other_load:.2f} cores",
             flush=True,
         )
         if other_load > 0.25:
             print(
-                f"run {index}: WARNING: other processes use {other_load:.2f} of "
-                f"{os.cpu_count()} cores; this run's figures are not comparable",
+                f"{what}: WARNING: other processes use {other_load:.2f} of "
+                f"{os.cpu_count()} cores; these figures are not comparable",
                 flush=True,
             )
-        throughput = await self.session(
-            f"run{index}-throughput",
-            database_url,
-            prefix,
-            warmup=self.args.warmup,
-            measured=self.args.parents,
-            in_flight=self.args.in_flight,
-        )
-        print(
-            f"run {index}: throughput {throughput['parents_per_s']:.1f} parents/s, "
-            f"p50 {throughput['latency_p50_ms']:.1f} ms, p99 {throughput['latency_p99_ms']:.1f} ms",
-            flush=True,
-        )
-        single = None
-        if self.args.single:
-            single = await self.session(
+        return database_url, prefix, other_load
+
+    # -- the modes --
+
+    async def run(self, index: int) -> dict[str, Any]:
+        """One run of the throughput and single modes (and Celery's, with --compare)."""
+        a = self.args
+        database_url, prefix, other_load = await self.fresh(f"run {index}")
+        result: dict[str, Any] = {
+            "database": database_url.rsplit("/", 1)[1],
+            "prefix": prefix,
+            "other_load_cores": other_load,
+            "throughput": None,
+            "single": None,
+        }
+        if "throughput" in a.only:
+            throughput = result["throughput"] = await self.session(
+                f"run{index}-throughput",
+                database_url,
+                prefix,
+                warmup=a.warmup,
+                measured=a.parents,
+                in_flight=a.in_flight,
+            )
+            _said(f"run {index}: throughput", throughput)
+        if "single" in a.only and a.single:
+            single = result["single"] = await self.session(
                 f"run{index}-single",
                 database_url,
                 prefix,
-                warmup=min(SINGLE_WARMUP, self.args.warmup),
-                measured=self.args.single,
+                warmup=min(SINGLE_WARMUP, a.warmup),
+                measured=a.single,
                 in_flight=1,
             )
-            print(
-                f"run {index}: single parent p50 {single['latency_p50_ms']:.1f} ms, "
-                f"p99 {single['latency_p99_ms']:.1f} ms",
-                flush=True,
-            )
+            _said(f"run {index}: single parent", single)
         await self._cleanup_run(database_url, prefix)
+        if self.celery is not None:
+            if "throughput" in a.only:
+                celery = result["celery_throughput"] = await self.celery.session(
+                    f"run{index}-celery-throughput",
+                    warmup=a.warmup,
+                    measured=a.parents,
+                    in_flight=a.in_flight,
+                )
+                _said(f"run {index}: celery throughput", celery)
+            if "single" in a.only and a.single:
+                celery = result["celery_single"] = await self.celery.session(
+                    f"run{index}-celery-single",
+                    warmup=min(SINGLE_WARMUP, a.warmup),
+                    measured=a.single,
+                    in_flight=1,
+                )
+                _said(f"run {index}: celery single parent", celery)
+        return result
+
+    async def curve(self) -> dict[str, Any]:
+        """Each point: fresh workers (and database), a continuous stream, a measuring window."""
+        a = self.args
+        points: dict[str, list[dict[str, Any]]] = {"waystation": []}
+        if self.celery is not None:
+            points["celery"] = []
+        loads = []
+        for in_flight in a.curve_points:
+            warmup = max(in_flight, 50)
+            database_url, prefix, other_load = await self.fresh(f"curve {in_flight} in flight")
+            loads.append(other_load)
+            measured = await self.session(
+                f"curve{in_flight}",
+                database_url,
+                prefix,
+                warmup=warmup,
+                seconds=a.curve_seconds,
+                in_flight=in_flight,
+            )
+            await self._cleanup_run(database_url, prefix)
+            points["waystation"].append(_curve_point(in_flight, measured))
+            _said(f"curve {in_flight} in flight", measured)
+            if self.celery is not None:
+                measured = await self.celery.session(
+                    f"curve{in_flight}-celery",
+                    warmup=warmup,
+                    seconds=a.curve_seconds,
+                    in_flight=in_flight,
+                )
+                points["celery"].append(_curve_point(in_flight, measured))
+                _said(f"curve {in_flight} in flight: celery", measured)
         return {
-            "database": f"waystation_bench_{tag}",
-            "prefix": prefix,
+            "in_flight": a.curve_points,
+            "window_s": a.curve_seconds,
+            "warmup": "max(in flight, 50) completions before the window",
+            "other_load_cores": loads,
+            **points,
+        }
+
+    async def memory(self) -> dict[str, Any]:
+        """``--memory-tasks`` tasks through one session of the workers; their RSS over time."""
+        a = self.args
+        parents = memory_parents(a)
+        database_url, prefix, other_load = await self.fresh("memory")
+        print(
+            f"memory: {parents * (1 + a.k):,} tasks = {parents:,} parents of 1+K tasks, "
+            f"{a.in_flight} in flight; RSS sampled after {a.memory_warmup} parents, every "
+            f"{a.memory_sample_every:g}s and at the end",
+            flush=True,
+        )
+        samplers: list[RssSampler] = []
+
+        @contextlib.asynccontextmanager
+        async def observe(session: Session, progress: Progress) -> AsyncIterator[None]:
+            sampler = RssSampler(
+                {w.name: w.pid for w in session.workers}, progress, a.memory_sample_every
+            )
+            samplers.append(sampler)
+            async with sampler.running():
+                yield
+
+        measured = await self.session(
+            "memory",
+            database_url,
+            prefix,
+            warmup=a.memory_warmup,
+            measured=parents - a.memory_warmup,
+            in_flight=a.in_flight,
+            observe=observe,
+        )
+        await self._cleanup_run(database_url, prefix)
+        rss = rss_summary(samplers[0].samples)
+        print(
+            f"memory: RSS of the largest worker {rss['rss_start_mb']:.1f} MiB after the warm-up, "
+            f"{rss['rss_end_mb']:.1f} MiB at the end; {measured['parents_per_s']:.1f} parents/s "
+            "sustained",
+            flush=True,
+        )
+        return {
+            "tasks": parents * (1 + a.k),
+            "parents": parents,
+            "warmup_parents": a.memory_warmup,
+            "in_flight": a.in_flight,
             "other_load_cores": other_load,
-            "throughput": throughput,
-            "single": single,
+            **rss,
+            "parents_per_s": measured["parents_per_s"],
+            "session": measured,
+            "samples": samplers[0].samples,
         }
 
     async def _cleanup_run(self, database_url: str, prefix: str) -> None:
@@ -424,10 +645,16 @@ class Bench:
             raise RuntimeError("; ".join(errors))
 
     async def cleanup(self) -> None:
-        """Whatever is left after an error or Ctrl-C: workers, queues, databases."""
+        """Whatever is left after an error or Ctrl-C: workers, queues, databases, Celery's
+        workers, Redis and vhost."""
         leftover = [w for w in self.all_workers if w.alive()]
         if leftover:
             stop_all(leftover, timeout=15)
+        if self.celery is not None:
+            try:
+                await self.celery.cleanup()
+            except Exception as error:
+                print(f"cleanup: celery: {error}", file=sys.stderr)
         for database_url, prefix in list(self.cleanups):
             try:
                 await self._cleanup_run(database_url, prefix)
@@ -439,6 +666,8 @@ class Bench:
             self.scratch.rmdir()
 
     async def main(self) -> dict[str, Any]:
+        started = time.monotonic()
+        a = self.args
         self.logs.mkdir(parents=True, exist_ok=True)
         for old in self.logs.glob("*.log"):
             old.unlink()
@@ -452,29 +681,103 @@ class Bench:
             "rabbitmq": versions["rabbitmq"],
             "loadavg_at_start": list(os.getloadavg()),
         }
-        a = self.args
         print(
-            f"Waystation bench: {a.workers} workers, K={a.k}, work_ms={a.work_ms:g}; "
-            f"{a.runs} run(s) of {a.warmup} warm-up + {a.parents} parents ({a.in_flight} in flight)"
-            f" + {a.single} single; machine {machine['nproc']} CPUs, "
+            f"Waystation bench: {', '.join(a.only)}"
+            f"{' (and Celery side by side)' if a.compare else ''}; {a.workers} workers, K={a.k}, "
+            f"work_ms={a.work_ms:g}; {a.runs} run(s) of {a.warmup} warm-up + {a.parents} parents "
+            f"({a.in_flight} in flight) + {a.single} single; machine {machine['nproc']} CPUs, "
             f"load {machine['loadavg_at_start'][0]:.2f}",
             flush=True,
         )
-        summary: dict[str, Any] = {"machine": machine}
-        if not a.rebuild_only:
-            runs = [await self.run(index + 1) for index in range(a.runs)]
-            summary = summarise(a, runs, machine)
-        if a.rebuild_events:
-            rebuilt = await rebuild_benchmark(self.admin_url, a.rebuild_events, a.runs)
-            summary["projection_rebuild"] = rebuilt
-            print()
-            for name, rates in rebuilt["events_per_second"].items():
-                print(
-                    f"projection rebuild {name}: {rates['median']:,.0f} events/s median over "
-                    f"{len(rates['runs'])} run(s) of {rebuilt['events']} events "
-                    f"({', '.join(f'{r:,.0f}' for r in rates['runs'])})"
-                )
+        results: dict[str, Any] = {"machine": machine}
+        worker_modes = {"throughput", "single", "curve"} & set(a.only)
+        if a.compare == "celery" and worker_modes:
+            try:
+                from _bench.celery_job import CelerySide
+            except ImportError as error:
+                raise BenchFailure(
+                    f"--compare celery needs the bench extra ({error}); scripts/bench installs it"
+                ) from None
+            self.celery = CelerySide(
+                amqp_url=self.amqp_url,
+                k=a.k,
+                work_ms=a.work_ms,
+                workers=a.workers,
+                pool=a.celery_pool,
+                threads=a.celery_threads,
+                queue_type=a.celery_queue_type,
+                timeout=a.timeout,
+                logs=self.logs,
+                stopping=lambda: self.stopping,
+            )
+            results["celery"] = await self.celery.start()
+            print(f"celery: {results['celery']}", flush=True)
+        if {"throughput", "single"} & set(a.only):
+            results["runs"] = [await self.run(index + 1) for index in range(a.runs)]
+        if "curve" in a.only:
+            results["curve"] = await self.curve()
+            results["curve"]["chart"] = self._chart(results["curve"])
+        if "memory" in a.only:
+            results["memory"] = await self.memory()
+        if "append" in a.only:
+            results["append"] = await append_benchmark(
+                self.admin_url,
+                events=a.append_events,
+                batch=a.append_batch,
+                writers=a.append_writers,
+                runs=a.runs,
+            )
+        if "rebuild" in a.only and a.rebuild_events:
+            results["projection_rebuild"] = await rebuild_benchmark(
+                self.admin_url, a.rebuild_events, a.runs
+            )
+        results["duration_s"] = time.monotonic() - started
+        summary = summarise(a, results)
+        print_report(summary)
         return summary
+
+    def _chart(self, curve: dict[str, Any]) -> str | None:
+        try:
+            from _bench.chart import plot_curve
+        except ImportError:
+            return None
+        path = Path(self.args.chart)
+        path = path if path.is_absolute() else ROOT / path
+        try:
+            plot_curve(
+                {s: curve[s] for s in ("waystation", "celery") if curve.get(s)},
+                path,
+                title=f"fan-out/fan-in, K={self.args.k}, {self.args.workers} worker processes, "
+                f"{os.cpu_count()} CPUs; {self.args.curve_seconds:g}s window per point "
+                f"({time.strftime('%Y-%m-%d')})",
+            )
+        except ImportError:
+            print("bench: no chart: matplotlib is missing (scripts/bench installs it)", flush=True)
+            return None
+        return str(_shown(path))
+
+
+def _said(what: str, measured: dict[str, Any]) -> None:
+    print(
+        f"{what}: {measured['parents_per_s']:.1f} parents/s, p50 "
+        f"{fmt(measured['latency_p50_ms'], '{:.1f}')} ms, p99 "
+        f"{fmt(measured['latency_p99_ms'], '{:.1f}')} ms",
+        flush=True,
+    )
+
+
+def _curve_point(in_flight: int, measured: dict[str, Any]) -> dict[str, Any]:
+    keys = (
+        "parents_per_s",
+        "latency_p50_ms",
+        "latency_p99_ms",
+        "parents_measured",
+        "worker_cpu_ms_per_parent",
+        "bench_client_cpu_ms_per_parent",
+        "machine_cpu_ms_per_parent",
+        "worker_log_problems",
+    )
+    return {"in_flight": in_flight, **{k: measured.get(k) for k in keys}}
 
 
 async def _busy_cores(seconds: float) -> float:
@@ -516,245 +819,6 @@ def _has_uvloop() -> bool:
     return True
 
 
-# ---- the summary -------------------------------------------------------------------------------
-
-# (JSON key, label, unit, phase, key inside the phase, format)
-FIGURES = [
-    ("parents_per_s", "throughput", "parents/s", "throughput", "parents_per_s", "{:.1f}"),
-    (
-        "throughput_p50_ms",
-        "latency p50, under load",
-        "ms",
-        "throughput",
-        "latency_p50_ms",
-        "{:.1f}",
-    ),
-    (
-        "throughput_p99_ms",
-        "latency p99, under load",
-        "ms",
-        "throughput",
-        "latency_p99_ms",
-        "{:.1f}",
-    ),
-    (
-        "single_p50_ms",
-        "latency p50, one parent at a time",
-        "ms",
-        "single",
-        "latency_p50_ms",
-        "{:.1f}",
-    ),
-    (
-        "single_p99_ms",
-        "latency p99, one parent at a time",
-        "ms",
-        "single",
-        "latency_p99_ms",
-        "{:.1f}",
-    ),
-    (
-        "checkpoint_p50_ms",
-        "checkpoint p50, under load",
-        "ms",
-        "throughput",
-        "checkpoint_p50_ms",
-        "{:.2f}",
-    ),
-    (
-        "checkpoint_p99_ms",
-        "checkpoint p99, under load",
-        "ms",
-        "throughput",
-        "checkpoint_p99_ms",
-        "{:.2f}",
-    ),
-    (
-        "single_checkpoint_p50_ms",
-        "checkpoint p50, one at a time",
-        "ms",
-        "single",
-        "checkpoint_p50_ms",
-        "{:.2f}",
-    ),
-    (
-        "single_checkpoint_p99_ms",
-        "checkpoint p99, one at a time",
-        "ms",
-        "single",
-        "checkpoint_p99_ms",
-        "{:.2f}",
-    ),
-    (
-        "messages_per_parent",
-        "broker messages / parent",
-        "msgs",
-        "throughput",
-        "messages_per_parent",
-        "{:.2f}",
-    ),
-    (
-        "db_transactions_per_parent",
-        "db transactions / parent",
-        "xacts",
-        "throughput",
-        "db_transactions_per_parent",
-        "{:.2f}",
-    ),
-    (
-        "version_conflicts_per_parent",
-        "version conflicts / parent",
-        "",
-        "throughput",
-        "version_conflicts_per_parent",
-        "{:.3f}",
-    ),
-    (
-        "db_connections_opened",
-        "db connections opened (throughput session)",
-        "",
-        "throughput",
-        "db_sessions_opened",
-        "{:.0f}",
-    ),
-    (
-        "worker_cpu_ms_per_parent",
-        "worker CPU / parent (all workers)",
-        "ms",
-        "throughput",
-        "worker_cpu_ms_per_parent",
-        "{:.2f}",
-    ),
-    (
-        "broker_cpu_ms_per_parent",
-        "RabbitMQ CPU / parent",
-        "ms",
-        "throughput",
-        "broker_cpu_ms_per_parent",
-        "{:.2f}",
-    ),
-    (
-        "machine_cpu_ms_per_parent",
-        "machine CPU / parent (all processes)",
-        "ms",
-        "throughput",
-        "machine_cpu_ms_per_parent",
-        "{:.2f}",
-    ),
-    (
-        "single_worker_cpu_ms_per_parent",
-        "worker CPU / parent, one at a time",
-        "ms",
-        "single",
-        "worker_cpu_ms_per_parent",
-        "{:.2f}",
-    ),
-    (
-        "single_db_transactions_per_parent",
-        "db transactions / parent, one at a time",
-        "xacts",
-        "single",
-        "db_transactions_per_parent",
-        "{:.2f}",
-    ),
-]
-
-
-def summarise(
-    args: argparse.Namespace, runs: list[dict[str, Any]], machine: dict[str, Any]
-) -> dict[str, Any]:
-    summary: dict[str, Any] = {}
-    rows = []
-    for key, label, unit, phase, inner, fmt in FIGURES:
-        values = [
-            run[phase][inner] for run in runs if run.get(phase) and run[phase][inner] is not None
-        ]
-        median = statistics.median(values) if values else None
-        summary[key] = median
-        if median is not None:
-            rows.append((label, unit, fmt.format(median), ", ".join(fmt.format(v) for v in values)))
-    broker = [run["throughput"]["broker_messages_per_parent"] for run in runs]
-    summary["broker_counted_messages_per_parent"] = (
-        {k: statistics.median(b[k] for b in broker) for k in broker[0]} if all(broker) else None
-    )
-    summary["messages_per_parent_design"] = 2 * args.k + 3
-    summary["runs"] = runs
-    summary["machine"] = machine
-    summary["command"] = (
-        "scripts/bench " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "scripts/bench"
-    )
-    summary["options"] = {k: v for k, v in vars(args).items() if k != "json"}
-    summary["notes"] = NOTES
-    summary["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-
-    width = max(len(r[0]) for r in rows)
-    print()
-    print(f"{'figure':<{width}}  {'median':>9}  {'unit':<9} per run")
-    print(f"{'-' * width}  {'-' * 9}  {'-' * 9} {'-' * 24}")
-    for label, unit, median, per_run in rows:
-        print(f"{label:<{width}}  {median:>9}  {unit:<9} {per_run}")
-    counted = summary["broker_counted_messages_per_parent"]
-    print()
-    print(
-        f"messages / parent: deliveries settled by the workers + results received by the client, "
-        f"per parent (warm-up included); the design's count is 2K+3 = {2 * args.k + 3}."
-    )
-    if counted:
-        print(
-            f"RabbitMQ's global counters (whole broker, so other traffic counts too): "
-            f"{counted['routed']:.2f} routed, {counted['delivered']:.2f} delivered, "
-            f"{counted['redelivered']:.3f} redelivered per parent."
-        )
-    print(
-        "db transactions / parent: pg_stat_database.xact_commit of the bench database over the "
-        "whole session (worker start-up, warm-up, outbox polling included) / parents."
-    )
-    loaded = [run["other_load_cores"] for run in runs if run["other_load_cores"] > 0.25]
-    if loaded:
-        print(
-            f"WARNING: {len(loaded)} of {len(runs)} runs started with other processes busy "
-            f"({', '.join(f'{c:.2f}' for c in loaded)} cores): the figures are not comparable."
-        )
-    problems = sum(
-        run[p]["worker_log_problems"]
-        for run in runs
-        for p in ("throughput", "single")
-        if run.get(p)
-    )
-    duplicates = sum(
-        run[p]["result_duplicates"] for run in runs for p in ("throughput", "single") if run.get(p)
-    )
-    leftovers = [
-        run[p]["leftover_messages"]
-        for run in runs
-        for p in ("throughput", "single")
-        if run.get(p) and run[p]["leftover_messages"]
-    ]
-    print(
-        f"worker log warnings/errors: {problems}; duplicate results: {duplicates}; "
-        f"messages left in queues after a session: {leftovers or 'none'}"
-    )
-    for run in runs:
-        for phase in ("throughput", "single"):
-            if run.get(phase) and run[phase]["worker_log_first_problems"]:
-                for line in run[phase]["worker_log_first_problems"]:
-                    print(f"  {line}")
-    return summary
-
-
-NOTES = {
-    "latency": "submit (before the publish) to the result received by the client",
-    "checkpoint": "from the handler returning a pause to the ack of its message, from the workers' "
-    "stats files; the warm-up's checkpoints are dropped per worker in proportion",
-    "messages_per_parent": "(deliveries settled by the workers + results received by the client) / "
-    "parents, over the session, warm-up included",
-    "db_transactions_per_parent": "pg_stat_database.xact_commit delta of the bench database "
-    "over the session (worker start-up, warm-up and background polling included) / parents",
-    "cpu": "utime+stime deltas over the measured phase only "
-    "(/proc/<pid>/stat; machine: /proc/stat)",
-}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     bench = Bench(args)
@@ -762,7 +826,11 @@ def main(argv: list[str] | None = None) -> int:
         bench.main, bench.cleanup, bench.interrupt, name="bench"
     )
     if interrupted:
-        print("bench: interrupted; workers stopped, queues and databases removed", file=sys.stderr)
+        print(
+            "bench: interrupted; workers stopped, queues, databases (and Celery's vhost and "
+            "Redis) removed",
+            file=sys.stderr,
+        )
         return 130
     if error is not None:
         if isinstance(error, BenchFailure):

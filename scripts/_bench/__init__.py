@@ -1,8 +1,9 @@
 """Helpers shared by scripts/bench.py and scripts/demo.py (not part of the library).
 
 Worker subprocesses of an app, the broker names of one prefix (waiting for consumers, deleting
-queues), CPU time from /proc, database activity counters, and percentiles. Standard library and
-the project's own dependencies only.
+queues), CPU time and resident memory from /proc, database activity counters, and percentiles.
+Standard library and the project's own dependencies only (the Celery side of the bench, which
+needs the ``bench`` extra, is in :mod:`_bench.celery_job`).
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import asyncio
 import contextlib
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +36,18 @@ __all__ = [
     "ROOT",
     "WorkerProcess",
     "broker_counters",
+    "cpu_per_parent_ms",
+    "cpu_snapshot",
     "database_counters",
     "delete_topology",
     "free_port",
     "log_problems",
     "percentile",
     "process_cpu_seconds",
+    "process_tree",
     "queue_depths",
     "rabbitmq_pid",
+    "rss_mb",
     "run_guarded",
     "server_versions",
     "system_busy_seconds",
@@ -63,7 +69,8 @@ def with_database(url: str, name: str) -> str:
 
 class WorkerProcess:
     """``python -m workers.cli worker --app APP`` with WAYSTATION_* settings, its log to a file;
-    or another ``waystation`` command given as ``command`` (``["projections", "run"]``, say)."""
+    or another ``waystation`` command given as ``command`` (``["projections", "run"]``, say);
+    or ``python -m MODULE COMMAND...`` of another ``module`` (``celery``) with ``cwd``."""
 
     def __init__(
         self,
@@ -73,12 +80,16 @@ class WorkerProcess:
         app: str = "workers.example:app",
         *,
         command: Sequence[str] | None = None,
+        module: str = "workers.cli",
+        cwd: Path = ROOT,
     ) -> None:
         self.name = name
         self.env = env
         self.log_path = log_path
         self.app = app
         self.command = list(command) if command is not None else ["worker", "--app", app]
+        self.module = module
+        self.cwd = cwd
         self.process: subprocess.Popen[bytes] | None = None
         self._log: Any = None
 
@@ -90,11 +101,11 @@ class WorkerProcess:
         )
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "workers.cli", *self.command],
+            [sys.executable, "-m", self.module, *self.command],
             env=environment,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            cwd=ROOT,
+            cwd=self.cwd,
         )
         return self
 
@@ -347,6 +358,64 @@ def process_cpu_seconds(pid: int) -> float | None:
         return None
     # after "pid (comm)": state is field 3, utime field 14, stime field 15
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants now (a prefork pool's children), from
+    /proc/<pid>/task/*/children; empty when ``pid`` is gone."""
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            tasks = os.listdir(f"/proc/{current}/task")
+        except OSError:
+            continue
+        found.append(current)
+        for tid in tasks:
+            with contextlib.suppress(OSError, ValueError):
+                with open(f"/proc/{current}/task/{tid}/children") as children:
+                    pending += [int(child) for child in children.read().split()]
+    return found
+
+
+def cpu_snapshot(groups: Mapping[str, Sequence[int] | None]) -> dict[str, float | None]:
+    """CPU seconds used so far by each group of processes (None when the group is unknown or one
+    of its processes is gone), by this process (``bench``: the client, every thread) and by the
+    whole machine (``machine``)."""
+    snapshot: dict[str, float | None] = {}
+    for name, pids in groups.items():
+        seconds = [process_cpu_seconds(pid) for pid in pids or ()]
+        snapshot[name] = (
+            None if not seconds or None in seconds else sum(s for s in seconds if s is not None)
+        )
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    snapshot["bench"] = own.ru_utime + own.ru_stime
+    snapshot["machine"] = system_busy_seconds()
+    return snapshot
+
+
+def cpu_per_parent_ms(
+    before: Mapping[str, float | None], after: Mapping[str, float | None], parents: int
+) -> dict[str, float | None]:
+    """Milliseconds of CPU per parent of each group between two :func:`cpu_snapshot` calls."""
+    per_parent: dict[str, float | None] = {}
+    for name, start in before.items():
+        end = after.get(name)
+        per_parent[name] = (
+            None if start is None or end is None or parents <= 0 else (end - start) * 1000 / parents
+        )
+    return per_parent
+
+
+def rss_mb(pid: int) -> float | None:
+    """Resident memory (VmRSS) of a process in MiB, from /proc/<pid>/status; None when gone."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024  # kB
+    return None
 
 
 def rabbitmq_pid() -> int | None:

@@ -1,0 +1,455 @@
+"""The Celery side of ``scripts/bench --compare celery``: the same job, side by side.
+
+:class:`CelerySide` runs the job of :mod:`_bench.celery_app` (a parent that replaces itself with
+a chord of K children and a summing callback) on the same machine, in the same invocation:
+
+* broker: the local RabbitMQ, in a vhost of its own (``waystation-bench-<random>``, deleted at the
+  end) made with ``rabbitmqctl``; where that is not possible, the default vhost with queue and
+  exchange names of its own (deleted at the end);
+* result backend: a Redis server the bench starts itself on a free port (no persistence) and
+  kills at the end; ``redis-server`` from PATH, else installed with ``apt-get`` when possible;
+* ``--workers`` worker processes: ``celery worker --pool solo`` each (default), or one prefork
+  worker with ``--concurrency`` = ``--workers`` (``--celery-pool prefork``); fresh processes for
+  each session and Redis flushed, like the Waystation side's fresh workers;
+* the client: Celery's own (``send_task`` then ``AsyncResult.get``) in a thread per parent in
+  flight in the bench process, its CPU measured (``bench_client_cpu_ms_per_parent``).
+
+Needs the ``bench`` extra (``celery[redis]``); ``scripts/bench`` installs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.parse
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+
+from . import (
+    ROOT,
+    WorkerProcess,
+    broker_counters,
+    cpu_per_parent_ms,
+    cpu_snapshot,
+    free_port,
+    log_problems,
+    process_tree,
+    queue_depths,
+    rabbitmq_pid,
+    stop_all,
+    wait_for_consumers,
+)
+from .drive import BenchFailure, measure
+
+__all__ = ["POOLS", "CelerySide", "RedisServer", "redis_server_binary"]
+
+POOLS = ("solo", "prefork", "threads")
+
+
+def redis_server_binary() -> tuple[str | None, str]:
+    """The ``redis-server`` binary (installed with apt-get when missing and possible), and how
+    it was found or why there is none."""
+    found = shutil.which("redis-server") or (
+        "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None
+    )
+    if found:
+        return found, f"{found} (installed)"
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        return None, "redis-server is not installed and apt-get cannot install it here (not root)"
+    print("bench: redis-server is missing; installing it with apt-get", flush=True)
+    for command in (["apt-get", "update"], ["apt-get", "install", "-y", "redis-server"]):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+        if done.returncode != 0:
+            return None, f"`{' '.join(command)}` failed: {done.stderr.strip()[-500:]}"
+    found = shutil.which("redis-server")
+    if found is None:
+        return None, "apt-get installed redis-server but no redis-server binary is on PATH"
+    return found, f"{found} (installed by the bench with apt-get)"
+
+
+class RedisServer:
+    """``redis-server`` on a free port of 127.0.0.1, without persistence, as a subprocess."""
+
+    def __init__(self, binary: str, log_path: Path) -> None:
+        self.binary = binary
+        self.log_path = log_path
+        self.port = 0
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def start(self) -> RedisServer:
+        import redis
+
+        self.port = free_port()
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [
+                    self.binary,
+                    "--port",
+                    str(self.port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--daemonize",
+                    "no",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis(port=self.port, socket_timeout=1).ping()
+                return self
+            except redis.exceptions.ConnectionError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"redis-server did not start on port {self.port} (see {self.log_path})"
+                    ) from None
+                time.sleep(0.05)
+
+    def client(self) -> Any:
+        import redis
+
+        return redis.Redis(port=self.port, socket_timeout=10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+
+def _rabbitmqctl(*args: str) -> bool:
+    if shutil.which("rabbitmqctl") is None:
+        return False
+    try:
+        done = subprocess.run(
+            ["rabbitmqctl", *args], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def _with_vhost(amqp_url: str, vhost: str) -> str:
+    parts = urllib.parse.urlsplit(amqp_url)
+    return urllib.parse.urlunsplit(parts._replace(path="/" + urllib.parse.quote(vhost, safe="")))
+
+
+class CelerySide:
+    """The Celery job's sessions, and everything they need started and removed."""
+
+    def __init__(
+        self,
+        *,
+        amqp_url: str,
+        k: int,
+        work_ms: float,
+        workers: int,
+        pool: str,
+        threads: int = 4,
+        queue_type: str,
+        timeout: float,
+        logs: Path,
+        stopping: Callable[[], bool],
+    ) -> None:
+        self.base_amqp_url = amqp_url
+        self.k = k
+        self.work_ms = work_ms
+        self.workers = workers
+        self.pool = pool
+        self.threads = threads
+        self.queue_type = queue_type
+        self.timeout = timeout
+        self.logs = logs
+        self.stopping = stopping
+        tag = uuid.uuid4().hex[:8]
+        self.vhost: str | None = f"waystation-bench-{tag}"
+        self.queue = f"waystation-bench-celery-{tag}"
+        self.amqp_url = amqp_url
+        self.redis: RedisServer | None = None
+        self.processes: list[WorkerProcess] = []
+        self.scratch = Path(tempfile.mkdtemp(prefix="waystation-bench-celery-"))
+        self.stats_files: dict[str, Path] = {}
+        """Where each worker writes its counts of received messages on shutdown, by name."""
+        self.next_n = itertools.count(10_000_000)
+        """Parent numbers of this side (apart from the Waystation side's, for readable logs)."""
+
+    # -- set-up and clean-up --
+
+    async def start(self) -> dict[str, Any]:
+        """Start Redis and make the vhost; what was started (for the JSON)."""
+        import celery
+
+        binary, how = redis_server_binary()
+        if binary is None:
+            raise BenchFailure(f"--compare celery needs a Redis server: {how}")
+        self.redis = RedisServer(binary, self.logs / "celery-redis.log").start()
+        assert self.vhost is not None
+        if _rabbitmqctl("add_vhost", self.vhost) and _rabbitmqctl(
+            "set_permissions", "-p", self.vhost, _amqp_user(self.base_amqp_url), ".*", ".*", ".*"
+        ):
+            self.amqp_url = _with_vhost(self.base_amqp_url, self.vhost)
+        else:
+            print(
+                "bench: celery: rabbitmqctl cannot make a vhost; using the default vhost with "
+                f"queue {self.queue}",
+                flush=True,
+            )
+            _rabbitmqctl("delete_vhost", self.vhost)
+            self.vhost = None
+        info = self.redis.client().info("server")
+        return {
+            "celery": celery.__version__,
+            "redis_server": info.get("redis_version"),
+            "redis_binary": how,
+            "pool": self.pool,
+            "worker_processes": self.workers if self.pool == "solo" else 1,
+            "concurrency_per_process": 1 if self.pool == "solo" else self.workers,
+            "queue_type": self.queue_type,
+            "vhost": self.vhost,
+            "acks_late": True,
+            "client": "send_task + AsyncResult.get, one thread per parent in flight",
+        }
+
+    def interrupt(self) -> None:
+        for process in self.processes:
+            process.terminate()
+
+    async def cleanup(self) -> None:
+        """Stop the workers and Redis; delete the vhost (or the queue)."""
+        alive = [p for p in self.processes if p.alive()]
+        if alive:
+            stop_all(alive, timeout=15)
+        if self.redis is not None:
+            self.redis.stop()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        if self.vhost is not None:
+            if not _rabbitmqctl("delete_vhost", self.vhost):
+                print(f"cleanup: could not delete vhost {self.vhost}", flush=True)
+        else:
+            with contextlib.suppress(Exception):
+                connection = await aio_pika.connect(self.amqp_url)
+                try:
+                    channel = await connection.channel()
+                    await channel.queue_delete(self.queue)
+                    await channel.exchange_delete(self.queue)
+                finally:
+                    await connection.close()
+
+    # -- one session --
+
+    def _start_workers(self, label: str) -> list[WorkerProcess]:
+        assert self.redis is not None
+        env = {
+            "BENCH_CELERY_BROKER": self.amqp_url,
+            "BENCH_CELERY_BACKEND": self.redis.url,
+            "BENCH_CELERY_QUEUE": self.queue,
+            "BENCH_CELERY_QUEUE_TYPE": self.queue_type,
+            "PYTHONPATH": os.pathsep.join(
+                [str(ROOT / "scripts"), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+        }
+        common = [
+            "-A",
+            "_bench.celery_app",
+            "worker",
+            "-Q",
+            self.queue,
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "--loglevel",
+            "WARNING",
+        ]
+        if self.pool == "solo":
+            shapes = [
+                [*common, "--pool", "solo", "-n", f"{label}-{index}@%h"]
+                for index in range(self.workers)
+            ]
+        elif self.pool == "threads":
+            shapes = [
+                [*common, "--pool", "threads", "-c", str(self.threads), "-n", f"{label}-{index}@%h"]
+                for index in range(self.workers)
+            ]
+        else:
+            shapes = [[*common, "--pool", "prefork", "-c", str(self.workers), "-n", f"{label}@%h"]]
+        started = []
+        for index, command in enumerate(shapes):
+            stats = self.scratch / f"{label}-worker{index}.json"
+            stats.unlink(missing_ok=True)
+            self.stats_files[f"{label}-worker{index}"] = stats
+            process = WorkerProcess(
+                f"{label}-worker{index}",
+                {**env, "BENCH_CELERY_STATS_FILE": str(stats)},
+                self.logs / f"{label}-worker{index}.log",
+                command=command,
+                module="celery",
+                cwd=ROOT / "scripts",
+            ).start()
+            started.append(process)
+            self.processes.append(process)
+        return started
+
+    def _one(
+        self, app: Any, executor: ThreadPoolExecutor, abandon: threading.Event
+    ) -> Callable[[], Any]:
+        """One parent through Celery's own client, in a thread of ``executor``; a thread stops
+        waiting for its result about a second after ``abandon`` or an interrupt (Celery calls
+        ``on_interval`` between its waits; a ``get`` that timed out and is called again can miss
+        its result, so there is one ``get`` per parent)."""
+        from celery.exceptions import TimeoutError as CeleryTimeout
+
+        from workers.example import expected_total
+
+        from .celery_app import PARENT
+
+        k, work_ms = self.k, self.work_ms
+
+        def give_up() -> None:
+            if self.stopping() or abandon.is_set():
+                raise BenchFailure("stopped")
+
+        def blocking() -> None:
+            n = next(self.next_n)
+            result = app.send_task(PARENT, (n, k, work_ms))
+            try:
+                value = result.get(timeout=self.timeout, on_interval=give_up)
+            except CeleryTimeout:
+                raise BenchFailure(
+                    f"celery: no result for parent n={n} within {self.timeout}s (see {self.logs})"
+                ) from None
+            if value != {"n": n, "total": expected_total(n, k)}:
+                raise BenchFailure(f"celery: wrong result for parent n={n}: {value!r}")
+
+        loop = asyncio.get_running_loop()
+
+        async def one() -> None:
+            await loop.run_in_executor(executor, blocking)
+
+        return one
+
+    async def session(
+        self,
+        label: str,
+        *,
+        in_flight: int,
+        warmup: int,
+        measured: int | None = None,
+        seconds: float | None = None,
+    ) -> dict[str, Any]:
+        """Fresh Celery workers; ``warmup`` parents; then ``measured`` parents, or a window of
+        ``seconds`` (after ``warmup`` completions) when ``measured`` is None; their figures."""
+        from .celery_app import make_app
+
+        assert self.redis is not None
+        redis = self.redis.client()
+        redis.flushall()
+        redis_before = int(redis.info("stats")["total_commands_processed"])
+        broker_before = broker_counters()
+        workers = self._start_workers(label)
+        consumers = 1 if self.pool == "prefork" else self.workers
+        app = make_app(self.amqp_url, self.redis.url, self.queue, self.queue_type)
+        executor = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="celery-client")
+        abandon = threading.Event()
+        broker_pid = rabbitmq_pid()
+
+        def snapshot() -> dict[str, float | None]:
+            return cpu_snapshot(
+                {
+                    "workers": [pid for w in workers for pid in process_tree(w.pid)],
+                    "broker": [broker_pid] if broker_pid else None,
+                    "redis": [self.redis.pid] if self.redis and self.redis.pid else None,
+                }
+            )
+
+        try:
+            await wait_for_consumers(
+                self.amqp_url,
+                [self.queue],
+                consumers,
+                alive=lambda: all(w.alive() for w in workers),
+            )
+            result = await measure(
+                self._one(app, executor, abandon),
+                in_flight,
+                warmup=warmup,
+                measured=measured,
+                seconds=seconds,
+                snapshot=snapshot,
+                stopping=self.stopping,
+            )
+            dead = [w.name for w in workers if not w.alive()]
+            if dead:
+                raise BenchFailure(f"celery worker(s) {', '.join(dead)} died (see {self.logs})")
+        finally:
+            abandon.set()  # after a failure: the other threads stop waiting
+            executor.shutdown(wait=False, cancel_futures=True)
+            exits = stop_all(workers)
+            app.close()
+        redis_after = int(redis.info("stats")["total_commands_processed"])
+        broker_after = broker_counters()
+        leftover = {q: n for q, n in (await queue_depths(self.amqp_url, [self.queue])).items() if n}
+        received: dict[str, int] = {}
+        for worker in workers:
+            stats = self.stats_files.pop(worker.name)
+            if not stats.exists():
+                raise BenchFailure(f"celery worker {worker.name} wrote no stats; exits: {exits}")
+            for name, count in json.loads(stats.read_text())["received"].items():
+                received[name] = received.get(name, 0) + int(count)
+            stats.unlink()
+        per_parent = cpu_per_parent_ms(result.before, result.after, result.measured)
+        parents_total = result.total
+        problems, first_problems = log_problems(w.log_path for w in workers)
+        return {
+            **result.figures(),
+            "in_flight": in_flight,
+            "worker_cpu_ms_per_parent": per_parent["workers"],
+            "broker_cpu_ms_per_parent": per_parent["broker"],
+            "redis_cpu_ms_per_parent": per_parent["redis"],
+            "bench_client_cpu_ms_per_parent": per_parent["bench"],
+            "machine_cpu_ms_per_parent": per_parent["machine"],
+            "messages_per_parent": sum(received.values()) / parents_total,
+            "messages_received": received,
+            "broker_routed_per_parent": (
+                (broker_after["routed"] - broker_before["routed"]) / parents_total
+                if broker_before and broker_after
+                else None
+            ),
+            "redis_commands_per_parent": (redis_after - redis_before) / parents_total,
+            "worker_exit_codes": exits,
+            "worker_log_problems": problems,
+            "worker_log_first_problems": first_problems,
+            "leftover_messages": leftover,
+        }
+
+
+def _amqp_user(amqp_url: str) -> str:
+    return urllib.parse.unquote(urllib.parse.urlsplit(amqp_url).username or "guest")

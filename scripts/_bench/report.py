@@ -1,0 +1,428 @@
+"""The figures of ``scripts/bench``: the JSON summary and the printed table.
+
+:func:`summarise` takes what the modes measured (``results``: the runs of the throughput and
+single modes with their Celery counterparts, the curve, memory, append and rebuild results) and
+gives the JSON: the median of every figure at top level (the keys of :data:`REQUIRED_KEYS` always,
+null when not measured), the table as printed, every run, notes and warnings.
+:func:`print_report` prints it. No services, no measuring: pure functions of the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["FIGURES", "REQUIRED_KEYS", "fmt", "memory_parents", "print_report", "summarise"]
+
+REQUIRED_KEYS = (
+    "parents_per_s",
+    "celery_parents_per_s",
+    "ratio_vs_celery",
+    "single_p50_ms",
+    "single_p99_ms",
+    "checkpoint_p50_ms",
+    "checkpoint_p99_ms",
+    "append_events_per_s",
+    "rebuild_events_per_s",
+    "messages_per_parent",
+    "db_transactions_per_parent",
+    "worker_cpu_ms_per_parent",
+    "rss_start_mb",
+    "rss_end_mb",
+)
+"""Top-level keys of the JSON that are always there (a number, or null when not measured)."""
+
+
+def memory_parents(args: argparse.Namespace) -> int:
+    """Parents of the memory mode: ``--memory-tasks`` / (1 + K), the parent and its K calls."""
+    return args.memory_tasks // (1 + args.k)
+
+
+def fmt(value: float | None, pattern: str) -> str:
+    """``value`` formatted with ``pattern``; ``-`` for None."""
+    return "-" if value is None else pattern.format(value)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One row of the table: the median of ``phase``'s ``inner`` over the runs, as ``key``."""
+
+    key: str
+    label: str
+    unit: str
+    phase: str
+    inner: str
+    fmt: str = "{:.1f}"
+    target: str = ""
+
+
+THROUGHPUT = "throughput: {parents} parents, {in_flight} in flight, {workers} worker processes"
+SINGLE = "one parent at a time ({single} parents)"
+COST = "cost per parent (throughput session)"
+LOG = "event log"
+MEMORY = (
+    "memory: {memory_tasks} tasks = {memory_parents} parents of 1+K tasks, {in_flight} in flight"
+)
+
+FIGURES: dict[str, list[Figure]] = {
+    THROUGHPUT: [
+        Figure("parents_per_s", "Waystation", "parents/s", "throughput", "parents_per_s",
+               target="≥1.5× Celery"),
+        Figure("celery_parents_per_s", "Celery", "parents/s", "celery_throughput",
+               "parents_per_s"),
+        Figure("ratio_vs_celery", "Waystation / Celery", "×", "ratio", "ratio", "{:.2f}",
+               target="≥1.5"),
+        Figure("throughput_p50_ms", "latency p50, Waystation", "ms", "throughput",
+               "latency_p50_ms"),
+        Figure("throughput_p99_ms", "latency p99, Waystation", "ms", "throughput",
+               "latency_p99_ms"),
+        Figure("celery_throughput_p50_ms", "latency p50, Celery", "ms", "celery_throughput",
+               "latency_p50_ms"),
+        Figure("celery_throughput_p99_ms", "latency p99, Celery", "ms", "celery_throughput",
+               "latency_p99_ms"),
+    ],
+    SINGLE: [
+        Figure("single_p50_ms", "latency p50, Waystation", "ms", "single", "latency_p50_ms",
+               target="<10"),
+        Figure("single_p99_ms", "latency p99, Waystation", "ms", "single", "latency_p99_ms",
+               target="<25"),
+        Figure("celery_single_p50_ms", "latency p50, Celery", "ms", "celery_single",
+               "latency_p50_ms"),
+        Figure("celery_single_p99_ms", "latency p99, Celery", "ms", "celery_single",
+               "latency_p99_ms"),
+        Figure("checkpoint_p50_ms", "checkpoint p50, one at a time", "ms", "single",
+               "checkpoint_p50_ms", "{:.2f}", target="<2"),
+        Figure("checkpoint_p99_ms", "checkpoint p99, one at a time", "ms", "single",
+               "checkpoint_p99_ms", "{:.2f}", target="<10"),
+        Figure("checkpoint_under_load_p50_ms", "checkpoint p50, under load ({in_flight} in flight)",
+               "ms", "throughput", "checkpoint_p50_ms", "{:.2f}"),
+        Figure("checkpoint_under_load_p99_ms", "checkpoint p99, under load ({in_flight} in flight)",
+               "ms", "throughput", "checkpoint_p99_ms", "{:.2f}"),
+        Figure("single_worker_cpu_ms_per_parent", "worker CPU / parent, one at a time", "ms",
+               "single", "worker_cpu_ms_per_parent", "{:.2f}"),
+        Figure("single_db_transactions_per_parent", "db transactions / parent, one at a time",
+               "xacts", "single", "db_transactions_per_parent", "{:.2f}"),
+    ],
+    COST: [
+        Figure("messages_per_parent", "broker messages, Waystation", "msgs", "throughput",
+               "messages_per_parent", "{:.2f}"),
+        Figure("celery_messages_per_parent", "broker messages, Celery (received by workers)",
+               "msgs", "celery_throughput", "messages_per_parent", "{:.2f}"),
+        Figure("celery_redis_commands_per_parent", "Redis commands, Celery", "cmds",
+               "celery_throughput", "redis_commands_per_parent", "{:.1f}"),
+        Figure("db_transactions_per_parent", "db transactions, Waystation", "xacts", "throughput",
+               "db_transactions_per_parent", "{:.2f}"),
+        Figure("version_conflicts_per_parent", "version conflicts, Waystation", "", "throughput",
+               "version_conflicts_per_parent", "{:.3f}"),
+        Figure("db_connections_opened", "db connections opened (whole session)", "",
+               "throughput", "db_sessions_opened", "{:.0f}"),
+        Figure("worker_cpu_ms_per_parent", "worker CPU (all workers), Waystation", "ms",
+               "throughput", "worker_cpu_ms_per_parent", "{:.2f}"),
+        Figure("celery_worker_cpu_ms_per_parent", "worker CPU (all workers), Celery", "ms",
+               "celery_throughput", "worker_cpu_ms_per_parent", "{:.2f}"),
+        Figure("broker_cpu_ms_per_parent", "RabbitMQ CPU, Waystation", "ms", "throughput",
+               "broker_cpu_ms_per_parent", "{:.2f}"),
+        Figure("celery_broker_cpu_ms_per_parent", "RabbitMQ CPU, Celery", "ms",
+               "celery_throughput", "broker_cpu_ms_per_parent", "{:.2f}"),
+        Figure("celery_redis_cpu_ms_per_parent", "Redis CPU, Celery", "ms", "celery_throughput",
+               "redis_cpu_ms_per_parent", "{:.2f}"),
+        Figure("bench_client_cpu_ms_per_parent", "client CPU (bench process), Waystation", "ms",
+               "throughput", "bench_client_cpu_ms_per_parent", "{:.2f}"),
+        Figure("celery_client_cpu_ms_per_parent", "client CPU (bench process), Celery", "ms",
+               "celery_throughput", "bench_client_cpu_ms_per_parent", "{:.2f}"),
+        Figure("machine_cpu_ms_per_parent", "machine CPU (all processes), Waystation", "ms",
+               "throughput", "machine_cpu_ms_per_parent", "{:.2f}"),
+        Figure("celery_machine_cpu_ms_per_parent", "machine CPU (all processes), Celery", "ms",
+               "celery_throughput", "machine_cpu_ms_per_parent", "{:.2f}"),
+    ],
+    LOG: [
+        Figure("append_events_per_s", "appends, {append_batch} events each, {append_writers} "
+               "writers", "events/s", "append", "events_per_s", "{:,.0f}", target="≥30,000"),
+        Figure("append_batch_p50_ms", "one append of {append_batch} events, p50", "ms", "append",
+               "append_p50_ms", "{:.1f}"),
+        Figure("append_unbatched_events_per_s", "appends, 1 event each, {append_writers} writers",
+               "events/s", "append", "unbatched_events_per_s", "{:,.0f}"),
+        Figure("rebuild_events_per_s", "projection rebuild, slowest projection", "events/s",
+               "rebuild", "slowest_events_per_s", "{:,.0f}", target="≥50,000"),
+    ],
+    MEMORY: [
+        Figure("rss_start_mb", "worker RSS after the warm-up (largest worker)", "MiB", "memory",
+               "rss_start_mb", target="flat"),
+        Figure("rss_end_mb", "worker RSS at the end (largest worker)", "MiB", "memory",
+               "rss_end_mb", target="flat"),
+        Figure("rss_growth_mb", "RSS growth, start to end (largest of the workers)", "MiB",
+               "memory", "rss_growth_mb"),
+        Figure("memory_parents_per_s", "throughput sustained over the run", "parents/s",
+               "memory", "parents_per_s"),
+    ],
+}  # fmt: skip
+
+PHASES = ("throughput", "single", "celery_throughput", "celery_single")
+
+
+def _phases(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Each phase's measurements, one per run (one in all for memory)."""
+    runs = results.get("runs") or []
+    phases: dict[str, list[dict[str, Any]]] = {
+        phase: [run[phase] for run in runs if run.get(phase)] for phase in PHASES
+    }
+    phases["ratio"] = [
+        {"ratio": run["throughput"]["parents_per_s"] / run["celery_throughput"]["parents_per_s"]}
+        for run in runs
+        if run.get("throughput") and run.get("celery_throughput")
+    ]
+    phases["append"] = (results.get("append") or {}).get("runs", [])
+    rebuild = (results.get("projection_rebuild") or {}).get("runs", [])
+    phases["rebuild"] = [
+        {"slowest_events_per_s": r["slowest_events_per_s"], **r["events_per_s"]} for r in rebuild
+    ]
+    phases["memory"] = [results["memory"]] if results.get("memory") else []
+    return phases
+
+
+def summarise(args: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
+    """The JSON: every figure's median at top level (``REQUIRED_KEYS`` always, null when not
+    measured), the table as printed, what every run measured, notes and warnings."""
+    phases = _phases(results)
+    memory = results.get("memory") or {}
+    words = {
+        **vars(args),
+        "memory_tasks": f"{memory.get('tasks', memory_parents(args) * (1 + args.k)):,}",
+        "memory_parents": f"{memory.get('parents', memory_parents(args)):,}",
+    }
+    figures = {section: list(rows) for section, rows in FIGURES.items()}
+    for name in (results.get("projection_rebuild") or {}).get("events_per_second", {}):
+        figures[LOG].append(
+            Figure(f"rebuild_{name}_events_per_s", f"projection rebuild, {name}", "events/s",
+                   "rebuild", name, "{:,.0f}")
+        )  # fmt: skip
+    summary: dict[str, Any] = dict.fromkeys(REQUIRED_KEYS)
+    table: list[dict[str, Any]] = []
+    for section, rows in figures.items():
+        for figure in rows:
+            values = [
+                entry[figure.inner]
+                for entry in phases[figure.phase]
+                if entry.get(figure.inner) is not None
+            ]
+            median = statistics.median(values) if values else None
+            summary[figure.key] = median
+            if median is None:
+                continue
+            table.append(
+                {
+                    "section": section.format(**words),
+                    "key": figure.key,
+                    "label": figure.label.format(**words),
+                    "median": median,
+                    "unit": figure.unit,
+                    "target": figure.target,
+                    "median_text": figure.fmt.format(median),
+                    "per_run_text": ", ".join(figure.fmt.format(v) for v in values),
+                }
+            )
+    if summary["parents_per_s"] and summary["celery_parents_per_s"]:
+        # the ratio of the medians (the table's per-run column shows each run's own ratio)
+        summary["ratio_vs_celery"] = summary["parents_per_s"] / summary["celery_parents_per_s"]
+        for row in table:
+            if row["key"] == "ratio_vs_celery":
+                row["median"] = summary["ratio_vs_celery"]
+                row["median_text"] = f"{summary['ratio_vs_celery']:.2f}"
+    summary["memory_tasks"] = memory.get("tasks")
+    summary["memory_parents"] = memory.get("parents")
+    summary["messages_per_parent_minimum"] = 2 * args.k + 2
+    runs = results.get("runs") or []
+    broker = [run["throughput"]["broker_messages_per_parent"] for run in runs if run["throughput"]]
+    summary["broker_counted_messages_per_parent"] = (
+        {k: statistics.median(b[k] for b in broker) for k in broker[0]}
+        if broker and all(broker)
+        else None
+    )
+    summary["table"] = table
+    summary["warnings"] = _warnings(results)
+    summary["curve"] = results.get("curve")
+    summary["memory"] = results.get("memory")
+    summary["append"] = results.get("append")
+    summary["projection_rebuild"] = results.get("projection_rebuild")
+    summary["celery"] = results.get("celery")
+    summary["runs"] = runs
+    summary["machine"] = results.get("machine")
+    summary["duration_s"] = results.get("duration_s")
+    summary["command"] = (
+        "scripts/bench " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "scripts/bench"
+    )
+    summary["options"] = {k: v for k, v in vars(args).items() if k != "json"}
+    summary["notes"] = NOTES
+    summary["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    return summary
+
+
+def _sessions(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Every worker session that ran: (name, what it measured) (curve points only in brief)."""
+    sessions = [
+        (f"run {index + 1} {phase}", run[phase])
+        for index, run in enumerate(results.get("runs") or [])
+        for phase in PHASES
+        if run.get(phase)
+    ]
+    if results.get("memory"):
+        sessions.append(("memory", results["memory"]["session"]))
+    return sessions
+
+
+def _warnings(results: dict[str, Any]) -> list[str]:
+    warnings = []
+    loads = [run["other_load_cores"] for run in results.get("runs") or []]
+    loads += (results.get("curve") or {}).get("other_load_cores", [])
+    if results.get("memory"):
+        loads.append(results["memory"]["other_load_cores"])
+    loaded = [load for load in loads if load > 0.25]
+    if loaded:
+        warnings.append(
+            f"{len(loaded)} of {len(loads)} runs started with other processes busy "
+            f"({', '.join(f'{c:.2f}' for c in loaded)} cores): those figures are not comparable"
+        )
+    sessions = _sessions(results)
+    curve = results.get("curve") or {}
+    curve_problems = sum(
+        point.get("worker_log_problems") or 0
+        for system in ("waystation", "celery")
+        for point in curve.get(system) or []
+    )
+    problems = sum(s["worker_log_problems"] for _, s in sessions) + curve_problems
+    duplicates = sum(s.get("result_duplicates", 0) for _, s in sessions)
+    leftovers = {name: s["leftover_messages"] for name, s in sessions if s["leftover_messages"]}
+    if problems or duplicates or leftovers:
+        warnings.append(
+            f"worker log warnings/errors: {problems}; duplicate results: {duplicates}; "
+            f"messages left in queues after a session: {leftovers or 'none'}"
+        )
+        for name, session in sessions:
+            warnings += [f"  {name}: {line}" for line in session["worker_log_first_problems"]]
+    return warnings
+
+
+def print_report(summary: dict[str, Any]) -> None:
+    """The table, the curve, what the figures count, and the warnings."""
+    table = summary["table"]
+    options = summary["options"]
+    print()
+    if table:
+        width = max(len(row["label"]) for row in table)
+        section = None
+        for row in table:
+            if row["section"] != section:
+                section = row["section"]
+                print(f"\n{section}")
+                print(f"  {'figure':<{width}}  {'median':>9}  {'unit':<9} {'target':<12} per run")
+                print(f"  {'-' * width}  {'-' * 9}  {'-' * 9} {'-' * 12} {'-' * 24}")
+            print(
+                f"  {row['label']:<{width}}  {row['median_text']:>9}  {row['unit']:<9} "
+                f"{row['target']:<12} {row['per_run_text']}"
+            )
+    curve = summary.get("curve")
+    if curve:
+        celery = curve.get("celery")
+        print(
+            f"\nconcurrency curve ({curve['window_s']:g}s window per point after "
+            f"{curve['warmup']}; fresh workers per point; chart: {curve.get('chart') or 'none'})"
+        )
+        header = f"  {'in flight':>9}  {'parents/s':>9} {'p50 ms':>9} {'p99 ms':>9}"
+        if celery:
+            header += f"  | celery {'parents/s':>9} {'p50 ms':>9} {'p99 ms':>9}"
+        print(header)
+        for index, point in enumerate(curve["waystation"]):
+            line = (
+                f"  {point['in_flight']:>9}  {point['parents_per_s']:>9.1f} "
+                f"{fmt(point['latency_p50_ms'], '{:.1f}'):>9} "
+                f"{fmt(point['latency_p99_ms'], '{:.1f}'):>9}"
+            )
+            if celery:
+                other = celery[index]
+                line += (
+                    f"  |        {other['parents_per_s']:>9.1f} "
+                    f"{fmt(other['latency_p50_ms'], '{:.1f}'):>9} "
+                    f"{fmt(other['latency_p99_ms'], '{:.1f}'):>9}"
+                )
+            print(line)
+    print()
+    if summary.get("messages_per_parent") is not None:
+        print(
+            "messages / parent: deliveries settled by the workers + results received by the "
+            "client, per parent (warm-up included), as measured; the structural minimum is "
+            f"2K+2 = {summary['messages_per_parent_minimum']} (task, K requests, K replies, "
+            "result)."
+        )
+    counted = summary.get("broker_counted_messages_per_parent")
+    if counted:
+        print(
+            f"RabbitMQ's global counters (whole broker, so other traffic counts too): "
+            f"{counted['routed']:.2f} routed, {counted['delivered']:.2f} delivered, "
+            f"{counted['redelivered']:.3f} redelivered per parent."
+        )
+    if summary.get("db_transactions_per_parent") is not None:
+        print(
+            "db transactions / parent: pg_stat_database.xact_commit of the bench database over "
+            "the whole session (worker start-up, warm-up, outbox polling included) / parents."
+        )
+    if summary.get("checkpoint_p50_ms") is not None:
+        print(
+            "checkpoint: from the handler returning a pause to the ack of its message; "
+            "checkpoint_p50/p99_ms are one parent at a time (the checkpoint's own cost), "
+            "checkpoint_under_load_* with the throughput phase's parents in flight (queueing)."
+        )
+    if summary.get("celery"):
+        c = summary["celery"]
+        print(
+            f"celery {c['celery']}: {c['worker_processes']} worker process(es), pool {c['pool']} "
+            f"x {c['concurrency_per_process']}, {c['queue_type']} queue, acks_late, persistent "
+            f"messages, Redis {c['redis_server']} results. Celery's messages: task messages its "
+            "workers received from RabbitMQ (parent, K children, callback); its results and "
+            "chord counter go through Redis (the Redis commands row)."
+        )
+    if summary.get("memory"):
+        m = summary["memory"]
+        print(
+            f"memory: VmRSS of each worker after {m['warmup_parents']:,} warm-up parents (start), "
+            f"every {options['memory_sample_every']:g}s, and after the last result (end); "
+            "rss_start_mb/rss_end_mb are the largest worker's; per worker: "
+            + ", ".join(
+                f"{name} {fmt(w['start_mb'], '{:.1f}')} -> {fmt(w['end_mb'], '{:.1f}')} MiB"
+                for name, w in m["per_worker"].items()
+            )
+        )
+    for line in summary["warnings"]:
+        print(f"WARNING: {line}" if not line.startswith("  ") else line)
+    if summary.get("duration_s") is not None:
+        print(f"bench took {summary['duration_s']:.0f}s")
+
+
+NOTES = {
+    "latency": "submit (before the publish) to the result received by the client",
+    "checkpoint": "from the handler returning a pause to the ack of its message, from the workers' "
+    "stats files; the warm-up's checkpoints are dropped per worker in proportion. "
+    "checkpoint_p50_ms/checkpoint_p99_ms: one parent at a time (the checkpoint's own cost); "
+    "checkpoint_under_load_*: the throughput phase",
+    "messages_per_parent": "(deliveries settled by the workers + results received by the client) / "
+    "parents, over the session, warm-up included; the structural minimum is 2K+2",
+    "db_transactions_per_parent": "pg_stat_database.xact_commit delta of the bench database "
+    "over the session (worker start-up, warm-up and background polling included) / parents",
+    "cpu": "utime+stime deltas over the measured phase only "
+    "(/proc/<pid>/stat; machine: /proc/stat; bench: the bench process, i.e. the client)",
+    "ratio_vs_celery": "parents_per_s / celery_parents_per_s (medians); null without --compare",
+    "curve": "per point: fresh workers, a continuous stream with the given parents in flight; "
+    "after max(in flight, 50) completions a window opens; parents/s = completions in the window / "
+    "its length; latency of the parents submitted in it",
+    "memory": "rss_start_mb/rss_end_mb: VmRSS of the largest worker after the warm-up and after "
+    "the last result; per worker and periodic samples under memory; memory_tasks counts a parent "
+    "as 1+K tasks, warm-up included",
+    "append": "events appended / wall time, batched by concurrent writers to streams of their own "
+    "(see scripts/_bench/append.py)",
+    "rebuild_events_per_s": "the slowest projection's median rate (every projection rebuilds at "
+    "least that fast); per projection under projection_rebuild",
+}
