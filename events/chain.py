@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .codec import chain_hash
+from .codec import as_stored, chain_hash
 from .model import NewEvent, RecordedEvent, hash_body
 
 __all__ = ["chain", "recorded_events"]
@@ -44,16 +44,18 @@ def recorded_events(
     tx_id: int = 0,
     first_position: int = 0,
 ) -> list[RecordedEvent]:
-    """The events of an append as the log holds them once it commits: chained, versioned, and
-    numbered from ``first_position`` (0: positions not known, as for a writer's own copy)."""
+    """The events of an append as the log holds them once it commits: chained, versioned,
+    numbered from ``first_position`` (0: positions not known, as for a writer's own copy), and
+    with data and metadata in the form the log gives back (``events.codec.as_stored``), so that
+    a writer's own copy decides exactly as a read of the stream would."""
     return [
         RecordedEvent(
             stream_id=stream_id,
             stream_version=version,
             event_id=event.event_id,
             event_type=event.event_type,
-            data=event.data,
-            metadata=event.metadata,
+            data=as_stored(event.data),
+            metadata=as_stored(event.metadata),
             schema_version=event.schema_version,
             prev_hash=previous,
             hash=digest,

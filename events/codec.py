@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["GENESIS_HASH", "canonical", "chain_hash", "dumps", "loads"]
+__all__ = ["GENESIS_HASH", "as_stored", "canonical", "chain_hash", "dumps", "loads"]
 
 GENESIS_HASH = bytes(32)
 """The ``prev_hash`` of a stream's first event."""
@@ -64,6 +64,11 @@ def _fold(value: Any) -> Any:
 def canonical(value: Any) -> bytes:
     """The canonical JSON encoding of ``value`` as the hash chain sees it."""
     return orjson.dumps(_fold(value), option=_JSON_OPTIONS)
+
+
+def as_stored(value: Any) -> Any:
+    """``value`` as the log gives it back once stored as ``jsonb`` (see ``canonical``)."""
+    return orjson.loads(canonical(value))
 
 
 def chain_hash(prev_hash: bytes, body: dict[str, Any]) -> bytes:

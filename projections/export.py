@@ -142,7 +142,7 @@ def redact(value: Any, keys: Collection[str], path: str) -> tuple[Any, list[str]
     def walk(item: Any, at: str) -> Any:
         if isinstance(item, dict):
             out = {}
-            for key, child in item.items():
+            for key, child in sorted(item.items()):  # paths in the line's (sorted) key order
                 if key in keys:
                     out[key] = _marker(child)
                     redacted.append(_child(at, key))

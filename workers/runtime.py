@@ -26,6 +26,7 @@ A message that cannot be used is dead-lettered with its reason (G9, ``workers.in
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import logging
@@ -157,6 +158,34 @@ class _StreamLocks:
                 self._locks[stream_id] = (lock, users - 1)
 
 
+class _StreamCache:
+    """The streams this worker appended to last, as they were after its append (bounded, LRU).
+
+    The next decision on such a stream (a reply landing on the worker that paused the task, or
+    on the one that recorded the previous reply) starts from this copy instead of reading the
+    stream again. The copy may be stale, when another worker appended since: then the append,
+    which checks the expected version and hash, fails with a conflict and the stream is read.
+    An entry is taken out when used, so a failed attempt never sees it again.
+    """
+
+    def __init__(self, size: int = 4096) -> None:
+        self._size = size
+        self._streams: collections.OrderedDict[str, list[RecordedEvent]] = (
+            collections.OrderedDict()
+        )
+
+    def put(self, stream_id: str, events: list[RecordedEvent], *, finished: bool) -> None:
+        self._streams.pop(stream_id, None)
+        if finished:
+            return  # nothing more is decided on it but late replies, which read it
+        self._streams[stream_id] = events
+        if len(self._streams) > self._size:
+            self._streams.popitem(last=False)
+
+    def take(self, stream_id: str) -> list[RecordedEvent] | None:
+        return self._streams.pop(stream_id, None)
+
+
 @dataclass(frozen=True, slots=True)
 class _Settled:
     disposition: Disposition
@@ -267,6 +296,7 @@ class Worker:
         self._idle.set()
         self._stopping = False
         self._streams = _StreamLocks()
+        self._cache = _StreamCache()
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -645,7 +675,9 @@ class Worker:
             self.stats.count("tasks_completed_unrecorded")
             return _ack()
         try:
-            await self._commit(state, events, "run", _Cause.of(message), step="pause")
+            await self._commit(
+                state, events, "run", _Cause.of(message), step="pause", history=[]
+            )
         except VersionConflict:
             return await self._task_already_recorded(message, task_id)
         return _ack(returned_at if isinstance(outcome, Pause) else None)
@@ -991,8 +1023,14 @@ class Worker:
     async def _load(self, task_id: str) -> TaskState:
         return (await self._load_events(task_id))[0]
 
-    async def _load_events(self, task_id: str) -> tuple[TaskState, list[RecordedEvent]]:
-        recorded = await self.store.read_stream(task_id)
+    async def _load_events(
+        self, task_id: str, *, cached: bool = False
+    ) -> tuple[TaskState, list[RecordedEvent]]:
+        recorded = self._cache.take(task_id) if cached else None
+        if recorded is None:
+            recorded = await self.store.read_stream(task_id)
+        else:
+            self.stats.count("stream_cache_hits")
         state = fold(task_id, recorded)
         add_to_context(task_id=task_id, trace_id=state.trace_id)
         if state.unreadable:
@@ -1030,8 +1068,12 @@ class Worker:
         ``_resume_in_place``); it runs again with every re-decision."""
         async with self._streams.hold(task_id):
             found: str | None = None
+            cached = True
             for _ in range(MAX_CONFLICT_RETRIES):
-                state, history = await self._load_events(task_id)
+                # first from what this worker last wrote to the stream, if it is still cached:
+                # a stale copy only costs a conflict, since the append checks the version
+                state, history = await self._load_events(task_id, cached=cached)
+                cached = False
                 events = decide(state)
                 if not events:
                     return _Applied(state, [])
@@ -1050,6 +1092,7 @@ class Worker:
                         cause,
                         step=step,
                         resume_attempts=extension.failed_runs if extension else 0,
+                        history=history,
                     )
                 except VersionConflict:
                     self.stats.count("version_conflicts")
@@ -1076,11 +1119,14 @@ class Worker:
         *,
         step: str,
         resume_attempts: int = 0,
+        history: list[RecordedEvent] | None = None,
     ) -> bool:
         """Append and publish; False when the events were already recorded (nothing done).
 
         ``resume_attempts``: runs of the resumed handler that already failed in place; the resume
-        message carries the count, so that the retries stay within the delivery limit."""
+        message carries the count, so that the retries stay within the delivery limit.
+        ``history``: the stream's events ``state`` was folded from; the stream as it is after
+        this append is then cached for the next decision on it (``_StreamCache``)."""
         metadata = self._metadata(state, cause)
         new_events = [
             NewEvent.of(event_id(state.task_id, causation_key, index), event, metadata)
@@ -1099,6 +1145,15 @@ class Worker:
                 outbox_delay=self.settings.outbox_delay,
             )
         )
+        if history is not None and not result.duplicate:
+            self._cache.put(
+                state.task_id,
+                [
+                    *history,
+                    *recorded_events(state.task_id, state.version, new_events, state.last_hash),
+                ],
+                finished=any(event.event_type in _FINISHED for event in events),
+            )
         if result.duplicate:
             # recorded before (a redelivery or a re-run): its messages are the relay's to publish
             self.stats.count("duplicate_appends")

@@ -37,7 +37,7 @@ from events import (
     chain_hash,
     parse,
 )
-from events.chain import chain
+from events.chain import chain, recorded_events
 from events.codec import dumps
 from events.memory import InMemoryEventStore
 from events.postgres import PostgresEventStore
@@ -524,6 +524,19 @@ class TestPostgresEventStore(EventStoreContract):
         verify_chain(stream, events)
         assert events[-1].hash == result.last_hash
         assert all(same_content(r, s) for r, s in zip(events, sent, strict=True))
+        # a writer's own copy of what it appended (the worker's stream cache) is what a read
+        # gives back, value for value: -0.0, 1e16 and the like come back as jsonb has them
+        own = recorded_events(stream, 0, sent, GENESIS_HASH)
+        assert [
+            (e.stream_version, e.event_id, e.data, e.metadata, e.prev_hash, e.hash) for e in own
+        ] == [
+            (e.stream_version, e.event_id, e.data, e.metadata, e.prev_hash, e.hash)
+            for e in events
+        ]
+        # == cannot tell 1e16 from 10**16: compare the encodings too (keys sorted, as order
+        # in a jsonb object is not the one written)
+        assert [dumps(e.data) for e in own] == [dumps(e.data) for e in events]
+        assert [dumps(e.metadata) for e in own] == [dumps(e.metadata) for e in events]
 
     async def test_a_reader_following_read_all_sees_every_event_of_concurrent_writers_once(
         self, store: PostgresEventStore, transactional: AsyncEngine
