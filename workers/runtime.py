@@ -170,9 +170,7 @@ class _StreamCache:
 
     def __init__(self, size: int = 4096) -> None:
         self._size = size
-        self._streams: collections.OrderedDict[str, list[RecordedEvent]] = (
-            collections.OrderedDict()
-        )
+        self._streams: collections.OrderedDict[str, list[RecordedEvent]] = collections.OrderedDict()
 
     def put(self, stream_id: str, events: list[RecordedEvent], *, finished: bool) -> None:
         self._streams.pop(stream_id, None)
@@ -675,9 +673,7 @@ class Worker:
             self.stats.count("tasks_completed_unrecorded")
             return _ack()
         try:
-            await self._commit(
-                state, events, "run", _Cause.of(message), step="pause", history=[]
-            )
+            await self._commit(state, events, "run", _Cause.of(message), step="pause", history=[])
         except VersionConflict:
             return await self._task_already_recorded(message, task_id)
         return _ack(returned_at if isinstance(outcome, Pause) else None)

@@ -63,6 +63,8 @@ app = make_app(
     os.environ.get("BENCH_CELERY_QUEUE", "waystation-bench"),
     os.environ.get("BENCH_CELERY_QUEUE_TYPE", "classic"),
 )
+if os.environ.get("BENCH_CELERY_PREFETCH"):
+    app.conf.worker_prefetch_multiplier = int(os.environ["BENCH_CELERY_PREFETCH"])
 
 
 @app.task(name=PARENT, bind=True)

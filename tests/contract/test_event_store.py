@@ -530,8 +530,7 @@ class TestPostgresEventStore(EventStoreContract):
         assert [
             (e.stream_version, e.event_id, e.data, e.metadata, e.prev_hash, e.hash) for e in own
         ] == [
-            (e.stream_version, e.event_id, e.data, e.metadata, e.prev_hash, e.hash)
-            for e in events
+            (e.stream_version, e.event_id, e.data, e.metadata, e.prev_hash, e.hash) for e in events
         ]
         # == cannot tell 1e16 from 10**16: compare the encodings too (keys sorted, as order
         # in a jsonb object is not the one written)
