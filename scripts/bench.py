@@ -222,6 +222,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--celery-threads", type=int, default=4, help="threads per process of --celery-pool threads"
     )
     celery.add_argument(
+        "--celery-prefetch",
+        type=int,
+        default=64,
+        help="worker_prefetch_multiplier of the Celery workers (Celery's default is 4; measured "
+        "here: 2 solo workers did ~92 parents/s at 4, ~138 at 16, ~140 at 64)",
+    )
+    celery.add_argument(
         "--celery-queue-type",
         choices=["classic", "quorum"],
         default="classic",
@@ -705,6 +712,7 @@ class Bench:
                 workers=a.workers,
                 pool=a.celery_pool,
                 threads=a.celery_threads,
+                prefetch=a.celery_prefetch,
                 queue_type=a.celery_queue_type,
                 timeout=a.timeout,
                 logs=self.logs,

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="untyped-decorator"
 """The Celery app of ``scripts/bench --compare celery``: the same fan-out/fan-in job in Celery.
 
 ``parent(n, k)`` replaces itself with a chord of ``k`` ``child(n + i)`` tasks whose callback
@@ -8,8 +9,9 @@ as the Waystation example app's orchestrator (:func:`workers.example.expected_to
 The Celery worker processes import this module (``celery -A _bench.celery_app worker``) and read
 their configuration from the environment, set by :mod:`_bench.celery_job`:
 ``BENCH_CELERY_BROKER`` (an AMQP URL, the bench's own vhost), ``BENCH_CELERY_BACKEND`` (a Redis
-URL, a Redis the bench started), ``BENCH_CELERY_QUEUE`` and ``BENCH_CELERY_QUEUE_TYPE``. The
-bench's client builds its own app with :func:`make_app` and sends tasks by name.
+URL, a Redis the bench started), ``BENCH_CELERY_QUEUE``, ``BENCH_CELERY_QUEUE_TYPE`` and
+``BENCH_CELERY_PREFETCH``. The bench's client builds its own app with :func:`make_app` and sends
+tasks by name.
 
 Each worker counts the task messages it received from the broker, by task name, and writes them
 to ``BENCH_CELERY_STATS_FILE`` (JSON) when it shuts down: the bench's messages per parent.
@@ -32,16 +34,20 @@ CHILD = "waystation_bench.child"
 TOTAL = "waystation_bench.total"
 
 
-def make_app(broker: str, backend: str, queue: str, queue_type: str = "classic") -> Celery:
+def make_app(
+    broker: str, backend: str, queue: str, queue_type: str = "classic", prefetch: int = 4
+) -> Celery:
     """A Celery app of the standard reliable configuration: RabbitMQ broker with persistent
     messages and durable queues (Celery's defaults), Redis result backend (a chord's counter in
     Redis), late acknowledgement; JSON; no remote control, events or heartbeats (nothing but
-    the job on the broker)."""
+    the job on the broker). ``prefetch`` is ``worker_prefetch_multiplier`` (Celery's default 4;
+    its documentation advises a higher one for many short tasks)."""
     celery = Celery("waystation_bench", broker=broker, backend=backend)
     celery.conf.update(
         task_acks_late=True,
         task_default_queue=queue,
         task_default_queue_type=queue_type,
+        worker_prefetch_multiplier=prefetch,
         task_serializer="json",
         result_serializer="json",
         accept_content=["json"],
@@ -62,9 +68,8 @@ app = make_app(
     os.environ.get("BENCH_CELERY_BACKEND", "redis://127.0.0.1:6379/0"),
     os.environ.get("BENCH_CELERY_QUEUE", "waystation-bench"),
     os.environ.get("BENCH_CELERY_QUEUE_TYPE", "classic"),
+    int(os.environ.get("BENCH_CELERY_PREFETCH", "4")),
 )
-if os.environ.get("BENCH_CELERY_PREFETCH"):
-    app.conf.worker_prefetch_multiplier = int(os.environ["BENCH_CELERY_PREFETCH"])
 
 
 @app.task(name=PARENT, bind=True)

@@ -9,10 +9,18 @@ a chord of K children and a summing callback) on the same machine, in the same i
 * result backend: a Redis server the bench starts itself on a free port (no persistence) and
   kills at the end; ``redis-server`` from PATH, else installed with ``apt-get`` when possible;
 * ``--workers`` worker processes: ``celery worker --pool solo`` each (default), or one prefork
-  worker with ``--concurrency`` = ``--workers`` (``--celery-pool prefork``); fresh processes for
-  each session and Redis flushed, like the Waystation side's fresh workers;
+  worker with ``--concurrency`` = ``--workers`` (``--celery-pool prefork``), or ``--workers``
+  processes of ``--celery-threads`` threads (``--celery-pool threads``); fresh processes for
+  each session and Redis flushed, like the Waystation side's fresh workers. The default is the
+  fastest measured here (2,000 parents, 100 in flight, 2 workers, quiet machine): 2 solo workers
+  with ``worker_prefetch_multiplier`` 64 did 136-145 parents/s, against 90-95 at Celery's
+  default multiplier of 4, 131-145 at 256 (with a longer tail), 98-107 for prefork ``-c 2`` (its
+  parent process relays every task to a child: more CPU per task) and 105-120 for 2 processes of
+  4 threads (the GIL); at 64 the machine's two cores are busy, so more prefetch gains nothing;
 * the client: Celery's own (``send_task`` then ``AsyncResult.get``) in a thread per parent in
-  flight in the bench process, its CPU measured (``bench_client_cpu_ms_per_parent``).
+  flight in the bench process (each thread with its own result consumer, Celery's default; one
+  shared thread-safe backend was slower), its CPU measured (``bench_client_cpu_ms_per_parent``:
+  about 1.6 ms per parent, against 0.5 ms for the Waystation client).
 
 Needs the ``bench`` extra (``celery[redis]``); ``scripts/bench`` installs it.
 """
@@ -175,6 +183,7 @@ class CelerySide:
         workers: int,
         pool: str,
         threads: int = 4,
+        prefetch: int = 4,
         queue_type: str,
         timeout: float,
         logs: Path,
@@ -186,6 +195,7 @@ class CelerySide:
         self.workers = workers
         self.pool = pool
         self.threads = threads
+        self.prefetch = prefetch
         self.queue_type = queue_type
         self.timeout = timeout
         self.logs = logs
@@ -231,8 +241,11 @@ class CelerySide:
             "redis_server": info.get("redis_version"),
             "redis_binary": how,
             "pool": self.pool,
-            "worker_processes": self.workers if self.pool == "solo" else 1,
-            "concurrency_per_process": 1 if self.pool == "solo" else self.workers,
+            "worker_processes": 1 if self.pool == "prefork" else self.workers,
+            "concurrency_per_process": {"solo": 1, "threads": self.threads}.get(
+                self.pool, self.workers
+            ),
+            "prefetch_multiplier": self.prefetch,
             "queue_type": self.queue_type,
             "vhost": self.vhost,
             "acks_late": True,
@@ -273,6 +286,7 @@ class CelerySide:
             "BENCH_CELERY_BACKEND": self.redis.url,
             "BENCH_CELERY_QUEUE": self.queue,
             "BENCH_CELERY_QUEUE_TYPE": self.queue_type,
+            "BENCH_CELERY_PREFETCH": str(self.prefetch),
             "PYTHONPATH": os.pathsep.join(
                 [str(ROOT / "scripts"), *filter(None, [os.environ.get("PYTHONPATH")])]
             ),
@@ -376,7 +390,7 @@ class CelerySide:
         broker_before = broker_counters()
         workers = self._start_workers(label)
         consumers = 1 if self.pool == "prefork" else self.workers
-        app = make_app(self.amqp_url, self.redis.url, self.queue, self.queue_type)
+        app = make_app(self.amqp_url, self.redis.url, self.queue, self.queue_type, self.prefetch)
         executor = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="celery-client")
         abandon = threading.Event()
         broker_pid = rabbitmq_pid()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +52,7 @@ class Progress:
     completed: int = 0
 
 
-async def _in_flight(loop_once: Callable[[], Awaitable[None]], in_flight: int) -> None:
+async def _in_flight(loop_once: Callable[[], Coroutine[Any, Any, None]], in_flight: int) -> None:
     """``in_flight`` concurrent loops; the first failure cancels the others and is raised."""
     try:
         async with asyncio.TaskGroup() as group:

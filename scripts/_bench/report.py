@@ -40,7 +40,7 @@ REQUIRED_KEYS = (
 
 def memory_parents(args: argparse.Namespace) -> int:
     """Parents of the memory mode: ``--memory-tasks`` / (1 + K), the parent and its K calls."""
-    return args.memory_tasks // (1 + args.k)
+    return int(args.memory_tasks) // (1 + int(args.k))
 
 
 def fmt(value: float | None, pattern: str) -> str:
@@ -380,7 +380,8 @@ def print_report(summary: dict[str, Any]) -> None:
         c = summary["celery"]
         print(
             f"celery {c['celery']}: {c['worker_processes']} worker process(es), pool {c['pool']} "
-            f"x {c['concurrency_per_process']}, {c['queue_type']} queue, acks_late, persistent "
+            f"x {c['concurrency_per_process']}, prefetch multiplier {c['prefetch_multiplier']}, "
+            f"{c['queue_type']} queue, acks_late, persistent "
             f"messages, Redis {c['redis_server']} results. Celery's messages: task messages its "
             "workers received from RabbitMQ (parent, K children, callback); its results and "
             "chord counter go through Redis (the Redis commands row)."
