@@ -62,25 +62,36 @@ class RssSampler:
 
 def rss_summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """Start, end and peak of each worker, and of the largest worker at start and end (the
-    figures ``rss_start_mb`` and ``rss_end_mb``)."""
+    figures ``rss_start_mb`` and ``rss_end_mb``). Half-way (the first sample with at least half
+    the parents of the end) tells a cache that fills and stays from a leak: a leak grows in the
+    second half too (``rss_second_half_growth_mb``)."""
     start = next(s for s in samples if s.get("label") == "start")
     end = next(s for s in reversed(samples) if s.get("label") == "end")
+    half = (start["parents_completed"] + end["parents_completed"]) / 2
+    middle = next(s for s in samples if s["parents_completed"] >= half)
     workers: dict[str, dict[str, float | None]] = {}
     for name in start["rss_mb"]:
         values = [s["rss_mb"][name] for s in samples if s["rss_mb"].get(name) is not None]
-        first, last = start["rss_mb"][name], end["rss_mb"][name]
+        first, mid, last = start["rss_mb"][name], middle["rss_mb"][name], end["rss_mb"][name]
         workers[name] = {
             "start_mb": first,
+            "mid_mb": mid,
             "end_mb": last,
             "peak_mb": max(values) if values else None,
             "growth_mb": None if first is None or last is None else last - first,
+            "second_half_growth_mb": None if mid is None or last is None else last - mid,
         }
-    starts = [w["start_mb"] for w in workers.values() if w["start_mb"] is not None]
-    ends = [w["end_mb"] for w in workers.values() if w["end_mb"] is not None]
-    growths = [w["growth_mb"] for w in workers.values() if w["growth_mb"] is not None]
+
+    def largest(key: str) -> float | None:
+        values = [w[key] for w in workers.values() if w[key] is not None]
+        return max(v for v in values if v is not None) if values else None
+
     return {
-        "rss_start_mb": max(starts) if starts else None,
-        "rss_end_mb": max(ends) if ends else None,
-        "rss_growth_mb": max(growths) if growths else None,
+        "rss_start_mb": largest("start_mb"),
+        "rss_mid_mb": largest("mid_mb"),
+        "rss_end_mb": largest("end_mb"),
+        "rss_growth_mb": largest("growth_mb"),
+        "rss_second_half_growth_mb": largest("second_half_growth_mb"),
+        "mid_parents_completed": middle["parents_completed"],
         "per_worker": workers,
     }

@@ -153,10 +153,14 @@ FIGURES: dict[str, list[Figure]] = {
     MEMORY: [
         Figure("rss_start_mb", "worker RSS after the warm-up (largest worker)", "MiB", "memory",
                "rss_start_mb", target="flat"),
+        Figure("rss_mid_mb", "worker RSS half-way (largest worker)", "MiB", "memory",
+               "rss_mid_mb"),
         Figure("rss_end_mb", "worker RSS at the end (largest worker)", "MiB", "memory",
                "rss_end_mb", target="flat"),
         Figure("rss_growth_mb", "RSS growth, start to end (largest of the workers)", "MiB",
                "memory", "rss_growth_mb"),
+        Figure("rss_second_half_growth_mb", "RSS growth, half-way to end (largest)", "MiB",
+               "memory", "rss_second_half_growth_mb", target="~0"),
         Figure("memory_parents_per_s", "throughput sustained over the run", "parents/s",
                "memory", "parents_per_s"),
     ],
@@ -388,6 +392,7 @@ def print_report(summary: dict[str, Any]) -> None:
         )
     if summary.get("memory"):
         m = summary["memory"]
+        print(f"memory: the largest worker's RSS by parents completed: {_trend(m['samples'])}")
         print(
             f"memory: VmRSS of each worker after {m['warmup_parents']:,} warm-up parents (start), "
             f"every {options['memory_sample_every']:g}s, and after the last result (end); "
@@ -401,6 +406,21 @@ def print_report(summary: dict[str, Any]) -> None:
         print(f"WARNING: {line}" if not line.startswith("  ") else line)
     if summary.get("duration_s") is not None:
         print(f"bench took {summary['duration_s']:.0f}s")
+
+
+def _trend(samples: list[dict[str, Any]], points: int = 8) -> str:
+    """About ``points`` samples, evenly spread, start and end included: ``parents: MiB``."""
+    step = max(1, (len(samples) - 1) // (points - 1))
+    chosen = samples[::step]
+    if chosen[-1] is not samples[-1]:
+        chosen.append(samples[-1])
+    shown = []
+    for sample in chosen:
+        values = [v for v in sample["rss_mb"].values() if v is not None]
+        shown.append(
+            f"{sample['parents_completed']:,}: {fmt(max(values) if values else None, '{:.1f}')}"
+        )
+    return ", ".join(shown)
 
 
 NOTES = {
@@ -420,8 +440,10 @@ NOTES = {
     "after max(in flight, 50) completions a window opens; parents/s = completions in the window / "
     "its length; latency of the parents submitted in it",
     "memory": "rss_start_mb/rss_end_mb: VmRSS of the largest worker after the warm-up and after "
-    "the last result; per worker and periodic samples under memory; memory_tasks counts a parent "
-    "as 1+K tasks, warm-up included",
+    "the last result; rss_mid_mb half-way (by parents), rss_second_half_growth_mb from there to "
+    "the end (a cache that fills early and stays shows growth, but none in the second half; a "
+    "leak shows both); per worker and periodic samples under memory; memory_tasks counts a "
+    "parent as 1+K tasks, warm-up included; samples count parents after the warm-up",
     "append": "events appended / wall time, batched by concurrent writers to streams of their own "
     "(see scripts/_bench/append.py)",
     "rebuild_events_per_s": "the slowest projection's median rate (every projection rebuilds at "

@@ -154,6 +154,8 @@ def test_every_required_key_is_a_median_of_the_runs() -> None:
     assert summary["rss_start_mb"] == 95.0  # the largest worker at the start sample
     assert summary["rss_end_mb"] == 97.5
     assert summary["rss_growth_mb"] == 2.5
+    assert summary["rss_mid_mb"] == 99.0  # the sample at 500 of 900 parents
+    assert summary["rss_second_half_growth_mb"] == 1.5  # w1: 96 -> 97.5 (w0 shrank)
     assert summary["memory_tasks"] == 100_000
     assert summary["memory_parents"] == 25_000
     assert summary["messages_per_parent"] == 8.0
@@ -182,6 +184,7 @@ def test_the_table_says_which_checkpoint_is_which_and_shows_the_curve(
     assert "memory: 100,000 tasks = 25,000 parents of 1+K tasks" in out
     assert "| celery" in out  # the curve table has the Celery columns
     assert "structural minimum is 2K+2 = 8" in out
+    assert "RSS by parents completed: 0: 95.0, 500: 99.0, 900: 97.5" in out
 
 
 def test_without_celery_or_other_modes_the_keys_are_null() -> None:
@@ -291,18 +294,24 @@ async def test_a_wrong_result_stops_the_drivers() -> None:
 
 def test_rss_summary_per_worker_and_largest() -> None:
     samples = [
-        {"rss_mb": {"a": 50.0, "b": 60.0}, "label": "start"},
-        {"rss_mb": {"a": 80.0, "b": None}},
-        {"rss_mb": {"a": 55.0, "b": 58.0}, "label": "end"},
+        {"parents_completed": 0, "rss_mb": {"a": 50.0, "b": 60.0}, "label": "start"},
+        {"parents_completed": 40, "rss_mb": {"a": 80.0, "b": None}},
+        {"parents_completed": 60, "rss_mb": {"a": 54.0, "b": 57.0}},
+        {"parents_completed": 100, "rss_mb": {"a": 55.0, "b": 58.0}, "label": "end"},
     ]
     rss = rss_summary(samples)
     assert rss["rss_start_mb"] == 60.0
     assert rss["rss_end_mb"] == 58.0
     assert rss["rss_growth_mb"] == 5.0  # worker a: 50 -> 55
+    assert rss["mid_parents_completed"] == 60  # the first sample at half the parents or more
+    assert rss["rss_mid_mb"] == 57.0
+    assert rss["rss_second_half_growth_mb"] == 1.0
     assert rss["per_worker"]["a"] == {
         "start_mb": 50.0,
+        "mid_mb": 54.0,
         "end_mb": 55.0,
         "peak_mb": 80.0,
         "growth_mb": 5.0,
+        "second_half_growth_mb": 1.0,
     }
     assert rss["per_worker"]["b"]["peak_mb"] == 60.0
