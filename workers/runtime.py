@@ -168,7 +168,7 @@ class _StreamCache:
     An entry is taken out when used, so a failed attempt never sees it again.
     """
 
-    def __init__(self, size: int = 4096) -> None:
+    def __init__(self, size: int = 1024) -> None:
         self._size = size
         self._streams: collections.OrderedDict[str, list[RecordedEvent]] = collections.OrderedDict()
 
