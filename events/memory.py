@@ -82,18 +82,15 @@ class InMemoryEventStore(EventStore):
             raise IntegrityError("an event id of this append is already in the log")
         self.transactions += 1
         tx_id = self.transactions
-        recorded = [
-            # a copy through JSON, as a database would store it: no aliasing with the caller
-            dataclasses.replace(e, data=loads(dumps(e.data)), metadata=loads(dumps(e.metadata)))
-            for e in recorded_events(
-                stream_id,
-                expected_version,
-                events,
-                prev_hash,
-                tx_id=tx_id,
-                first_position=len(self._all) + 1,
-            )
-        ]
+        # data and metadata come back as new objects, in stored form: no aliasing with the caller
+        recorded = recorded_events(
+            stream_id,
+            expected_version,
+            events,
+            prev_hash,
+            tx_id=tx_id,
+            first_position=len(self._all) + 1,
+        )
         self._streams[stream_id] = stream + recorded
         self._all.extend(recorded)
         self._event_ids.update((e.event_id, e) for e in recorded)
@@ -104,7 +101,10 @@ class InMemoryEventStore(EventStore):
             self._outbox[self._next_outbox_id] = (message, self._clock() + outbox_delay)
             self._next_outbox_id += 1
         return AppendResult(
-            version=recorded[-1].stream_version, last_hash=recorded[-1].hash, outbox_ids=tuple(ids)
+            version=recorded[-1].stream_version,
+            last_hash=recorded[-1].hash,
+            outbox_ids=tuple(ids),
+            recorded=tuple(recorded),
         )
 
     def _follow_pending_calls(self, recorded: list[RecordedEvent]) -> None:

@@ -20,7 +20,7 @@ import sqlalchemy.exc
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from .chain import chain
+from .chain import recorded_events
 from .codec import GENESIS_HASH, dumps, loads
 from .errors import EventStoreError, IntegrityError, StoreUnavailable, VersionConflict
 from .model import NewEvent, RecordedEvent
@@ -205,20 +205,20 @@ class PostgresEventStore(EventStore):
     ) -> AppendResult:
         if not events:
             raise IntegrityError("an append needs at least one event")
-        links = chain(stream_id, expected_version, events, prev_hash)
+        recorded = recorded_events(stream_id, expected_version, events, prev_hash)
         params = {
             "stream": stream_id,
             "expected": expected_version,
             "prev_hash": prev_hash,
             "genesis": GENESIS_HASH,  # a new stream chains to it, as in every backend
-            "versions": [version for version, _, _ in links],
+            "versions": [e.stream_version for e in recorded],
             "event_ids": [e.event_id for e in events],
             "types": [e.event_type for e in events],
             "schema_versions": [e.schema_version for e in events],
             "data": [dumps(e.data).decode() for e in events],
             "metadata": [dumps(e.metadata).decode() for e in events],
-            "prev_hashes": [previous for _, previous, _ in links],
-            "hashes": [digest for _, _, digest in links],
+            "prev_hashes": [e.prev_hash for e in recorded],
+            "hashes": [e.hash for e in recorded],
             "outbox_delay": outbox_delay,
             "message_ids": [m.message_id for m in outbox],
             "exchanges": [m.exchange for m in outbox],
@@ -248,7 +248,10 @@ class PostgresEventStore(EventStore):
         except Exception as error:
             raise _translate(error) from error
         return AppendResult(
-            version=links[-1][0], last_hash=links[-1][2], outbox_ids=tuple(row.outbox_ids)
+            version=recorded[-1].stream_version,
+            last_hash=recorded[-1].hash,
+            outbox_ids=tuple(row.outbox_ids),
+            recorded=tuple(recorded),
         )
 
     async def _after_collision(

@@ -89,6 +89,10 @@ class AppendResult:
     last_hash: bytes
     duplicate: bool = False
     outbox_ids: tuple[int, ...] = ()
+    recorded: tuple[RecordedEvent, ...] = ()
+    """The appended events as the log now holds them (``events.chain.recorded_events``; global
+    positions and tx ids unknown to a database writer): a writer's own copy, already chained.
+    Empty for a duplicate."""
 
 
 class EventStore(abc.ABC):

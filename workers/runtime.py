@@ -1144,10 +1144,7 @@ class Worker:
         if history is not None and not result.duplicate:
             self._cache.put(
                 state.task_id,
-                [
-                    *history,
-                    *recorded_events(state.task_id, state.version, new_events, state.last_hash),
-                ],
+                [*history, *result.recorded],
                 finished=any(event.event_type in _FINISHED for event in events),
             )
         if result.duplicate:

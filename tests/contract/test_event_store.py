@@ -170,6 +170,11 @@ class EventStoreContract:
         verify_chain(stream, events)
         assert all(same_content(r, s) for r, s in zip(events, first + second, strict=True))
         assert events[2].hash == one.last_hash and events[4].hash == two.last_hash
+        # the writer's own copy is what a read gives back
+        assert [(e.stream_version, e.event_id, e.data, e.metadata, e.hash) for e in events] == [
+            (e.stream_version, e.event_id, e.data, e.metadata, e.hash)
+            for e in one.recorded + two.recorded
+        ]
 
     async def test_a_stream_never_written_reads_empty(self, store: EventStore) -> None:
         assert await store.read_stream(new_stream()) == []
@@ -526,7 +531,8 @@ class TestPostgresEventStore(EventStoreContract):
         assert all(same_content(r, s) for r, s in zip(events, sent, strict=True))
         # a writer's own copy of what it appended (the worker's stream cache) is what a read
         # gives back, value for value: -0.0, 1e16 and the like come back as jsonb has them
-        own = recorded_events(stream, 0, sent, GENESIS_HASH)
+        own = result.recorded
+        assert own == tuple(recorded_events(stream, 0, sent, GENESIS_HASH))
         assert [
             (e.stream_version, e.event_id, e.data, e.metadata, e.prev_hash, e.hash) for e in own
         ] == [
