@@ -1,0 +1,384 @@
+"""The broker port's contract (``workers/broker.py``), run against every backend.
+
+:class:`BrokerContract` holds the suite; each backend's class provides ``backend``: how to open a
+connection, how to make one drop (it comes back by itself), and the deployment's names. The
+aio-pika backend runs against the real RabbitMQ (its queues are deleted afterwards; a drop is
+``rabbitmqctl close_connection``), the in-memory one against :class:`InMemoryBroker`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import pytest
+import pytest_asyncio
+
+from events import OutboxMessage
+from workers.broker import Broker, BrokerUnavailable, Delivery, Unroutable
+from workers.brokers.amqp import AmqpBroker
+from workers.brokers.memory import InMemoryBroker, InMemoryConnection
+from workers.topology import clear_policy
+from workers.wire import Names
+
+from ..support import Services, close_broker_connections, delete_topology, fresh_prefix
+
+AGENT = "agent"
+WITHIN = 30.0
+
+
+def message(names: Names, n: int, **properties: object) -> OutboxMessage:
+    return OutboxMessage(
+        message_id=f"m-{n}",
+        routing_key=names.tasks(AGENT),
+        body=b'{"n": %d}' % n,
+        properties={
+            "type": "task",
+            "correlation_id": f"c-{n}",
+            "reply_to": names.replies(AGENT),
+            "content_type": "application/json",
+            "headers": {"x-test": n},
+            **properties,
+        },
+    )
+
+
+@dataclass
+class Inbox:
+    """A consumer's handler that keeps every delivery; ``hold`` keeps handlers running."""
+
+    deliveries: list[Delivery] = field(default_factory=list)
+    running: int = 0
+    most_running: int = 0
+    cancelled: int = 0
+    hold: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def __call__(self, delivery: Delivery) -> None:
+        self.deliveries.append(delivery)
+        self.running += 1
+        self.most_running = max(self.most_running, self.running)
+        try:
+            await self.hold.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.running -= 1
+
+    async def wait_for(self, count: int) -> list[Delivery]:
+        await eventually(lambda: len(self.deliveries) >= count, f"{count} deliveries")
+        return self.deliveries
+
+
+async def eventually(predicate: Callable[[], bool], what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WITHIN
+    while not predicate():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+@dataclass
+class Backend:
+    names: Names
+    open: Callable[[], Awaitable[Broker]]
+    drop: Callable[[Broker], Awaitable[None]]
+
+
+class BrokerContract:
+    """The behaviour every backend of :class:`~workers.broker.Broker` shares."""
+
+    @pytest.fixture
+    def backend(self) -> Backend:
+        raise NotImplementedError("a backend's test class provides it")
+
+    async def test_a_published_message_is_delivered_with_its_properties(
+        self, backend: Backend
+    ) -> None:
+        broker = await backend.open()
+        await broker.declare(backend.names, [AGENT])
+        inbox = Inbox()
+        await broker.consume(backend.names.tasks(AGENT), inbox, prefetch=4)
+        await broker.publish(message(backend.names, 1))
+        (delivery,) = await inbox.wait_for(1)
+        assert delivery.queue == backend.names.tasks(AGENT)
+        assert delivery.body == b'{"n": 1}'
+        assert (delivery.message_id, delivery.correlation_id, delivery.type) == (
+            "m-1",
+            "c-1",
+            "task",
+        )
+        assert delivery.reply_to == backend.names.replies(AGENT)
+        assert delivery.content_type == "application/json"
+        assert delivery.headers["x-test"] == 1
+        assert (delivery.redelivered, delivery.broker_count) == (False, 0)
+        await broker.ack(delivery)
+        inbox.hold.set()
+
+    async def test_declare_is_idempotent(self, backend: Backend) -> None:
+        broker = await backend.open()
+        await broker.declare(backend.names, [AGENT])
+        await broker.declare(backend.names, [AGENT])
+        await broker.publish(message(backend.names, 1))
+
+    async def test_a_mandatory_publish_no_queue_takes_is_unroutable(self, backend: Backend) -> None:
+        broker = await backend.open()
+        await broker.declare(backend.names, [AGENT])
+        stray = OutboxMessage("m-stray", f"{backend.names.prefix}nobody-{uuid.uuid4()}", b"{}")
+        with pytest.raises(Unroutable) as raised:
+            await broker.publish(stray)
+        assert raised.value.routing_key == stray.routing_key
+        errors = await broker.publish_all([stray, message(backend.names, 2)])
+        assert isinstance(errors[0], Unroutable) and errors[1] is None
+
+    async def test_a_requeued_delivery_comes_again_counted_and_marked_redelivered(
+        self, backend: Backend
+    ) -> None:
+        broker = await backend.open()
+        await broker.declare(backend.names, [AGENT])
+        inbox = Inbox()
+        await broker.consume(backend.names.tasks(AGENT), inbox, prefetch=4)
+        await broker.publish(message(backend.names, 1))
+        first, *_ = await inbox.wait_for(1)
+        await broker.requeue(first)
+        _, again = await inbox.wait_for(2)
+        assert again.message_id == "m-1"
+        assert again.redelivered
+        assert again.broker_count == 1
+        await broker.ack(again)
+        inbox.hold.set()
+
+    async def test_no_more_than_prefetch_deliveries_are_unsettled_at_once(
+        self, backend: Backend
+    ) -> None:
+        broker = await backend.open()
+        await broker.declare(backend.names, [AGENT])
+        inbox = Inbox()
+        await broker.consume(backend.names.tasks(AGENT), inbox, prefetch=2)
+        await broker.publish_all([message(backend.names, n) for n in range(5)])
+        delivered = await inbox.wait_for(2)
+        await asyncio.sleep(0.3)  # room for a third delivery, were prefetch not respected
+        assert len(inbox.deliveries) == 2 and inbox.most_running == 2
+        await broker.ack(delivered[0])
+        await inbox.wait_for(3)
+        assert [d.message_id for d in inbox.deliveries] == ["m-0", "m-1", "m-2"]
+        for delivery in inbox.deliveries[1:]:
+            await broker.ack(delivery)
+        await inbox.wait_for(5)
+        inbox.hold.set()
+        for delivery in inbox.deliveries[3:]:
+            await broker.ack(delivery)
+
+    async def test_an_unsettled_delivery_returns_when_its_connection_drops(
+        self, backend: Backend
+    ) -> None:
+        """…its handler is cancelled, settling it fails, and another consumer gets it again."""
+        first = await backend.open()
+        await first.declare(backend.names, [AGENT])
+        inbox = Inbox()
+        await first.consume(backend.names.tasks(AGENT), inbox, prefetch=1)
+        await first.publish(message(backend.names, 1))
+        (delivery,) = await inbox.wait_for(1)
+        assert first.settleable(delivery)
+        await backend.drop(first)
+        await eventually(lambda: inbox.cancelled == 1, "the running handler to be cancelled")
+        assert not first.settleable(delivery)
+        with pytest.raises(BrokerUnavailable):
+            await first.ack(delivery)
+        other = Inbox()
+        second = await backend.open()
+        await second.consume(backend.names.tasks(AGENT), other, prefetch=1)
+        (again,) = await other.wait_for(1)
+        assert again.message_id == "m-1" and again.redelivered
+        await second.ack(again)
+        other.hold.set()
+
+    async def test_a_dropped_connection_comes_back_and_consumes_again(
+        self, backend: Backend
+    ) -> None:
+        broker = await backend.open()
+        await broker.declare(backend.names, [AGENT])
+        inbox = Inbox()
+        inbox.hold.set()
+        await broker.consume(backend.names.tasks(AGENT), inbox, prefetch=4)
+        await backend.drop(broker)
+        await eventually(lambda: broker.connected, "the connection to come back")
+        for attempt in range(100):  # a publish may still meet the channel being restored
+            with contextlib.suppress(BrokerUnavailable):
+                await broker.publish(message(backend.names, 1))
+                break
+            await asyncio.sleep(0.1 * min(attempt + 1, 10))
+        (delivery,) = await inbox.wait_for(1)
+        assert delivery.message_id == "m-1"
+        await broker.ack(delivery)
+
+    async def test_after_cancel_consumers_nothing_new_arrives_and_held_deliveries_settle(
+        self, backend: Backend
+    ) -> None:
+        broker = await backend.open()
+        await broker.declare(backend.names, [AGENT])
+        inbox = Inbox()
+        await broker.consume(backend.names.tasks(AGENT), inbox, prefetch=4)
+        await broker.publish(message(backend.names, 1))
+        (held,) = await inbox.wait_for(1)
+        await broker.cancel_consumers()
+        assert broker.consumers == 0
+        await broker.publish(message(backend.names, 2))
+        await broker.ack(held)
+        await asyncio.sleep(0.3)  # room for a delivery, were the consumer still there
+        assert len(inbox.deliveries) == 1
+        inbox.hold.set()
+
+    async def test_past_the_delivery_limit_the_broker_dead_letters_the_message(
+        self, backend: Backend
+    ) -> None:
+        """(limit 2 in every backend's fixture) a message requeued until the limit ends in the
+        dead-letter queue, with the broker's own reason."""
+        broker = await backend.open()
+        await broker.declare(backend.names, [AGENT])
+        inbox = Inbox()
+        await broker.consume(backend.names.tasks(AGENT), inbox, prefetch=1)
+        await broker.publish(message(backend.names, 1))
+        for count in range(1, 4):
+            deliveries = await inbox.wait_for(count)
+            await broker.requeue(deliveries[-1])
+        dead = Inbox()
+        await broker.consume(backend.names.dead_letter_queue, dead, prefetch=1)
+        (letter,) = await dead.wait_for(1)
+        assert letter.message_id == "m-1"
+        assert letter.headers["x-first-death-reason"] == "delivery_limit"
+        assert letter.headers["x-first-death-queue"] == backend.names.tasks(AGENT)
+        await broker.ack(letter)
+        dead.hold.set()
+        inbox.hold.set()
+
+    async def test_the_dead_letter_exchange_routes_to_the_dead_letter_queue(
+        self, backend: Backend
+    ) -> None:
+        broker = await backend.open()
+        await broker.declare(backend.names, [AGENT])
+        copy = OutboxMessage(
+            "m-dead",
+            backend.names.tasks(AGENT),
+            b"{}",
+            {"headers": {"x-waystation-reason": "test"}},
+            exchange=backend.names.dead_letter_exchange,
+        )
+        await broker.publish(copy)
+        dead = Inbox()
+        await broker.consume(backend.names.dead_letter_queue, dead, prefetch=1)
+        (letter,) = await dead.wait_for(1)
+        assert letter.headers["x-waystation-reason"] == "test"
+        await broker.ack(letter)
+        dead.hold.set()
+
+
+# ---- aio-pika on the real RabbitMQ --------------------------------------------------------------
+
+
+class TestAmqpBroker(BrokerContract):
+    @pytest_asyncio.fixture
+    async def backend(self, services: Services) -> AsyncIterator[Backend]:
+        if not services.rabbitmqctl:
+            message = "rabbitmqctl is needed to drop connections and to set the policy"
+            if os.environ.get("CI"):
+                pytest.fail(message)
+            pytest.skip(message)
+        names = Names(fresh_prefix())
+        opened: list[AmqpBroker] = []
+
+        async def open_one() -> Broker:
+            broker = AmqpBroker(
+                services.amqp_url,
+                connection_name=f"waystation contract {uuid.uuid4()}",
+                delivery_limit=2,
+                policy="rabbitmqctl",
+            )
+            await broker.connect()
+            opened.append(broker)
+            return broker
+
+        async def drop(broker: Broker) -> None:
+            assert isinstance(broker, AmqpBroker)
+            assert await close_broker_connections(broker.connection_name) == 1
+            await eventually(lambda: not broker.connected, "the connection to drop")
+
+        yield Backend(names, open_one, drop)
+        for broker in opened:
+            await broker.close()
+        await delete_topology(services.amqp_url, names.prefix, [AGENT])
+        await clear_policy(names)
+
+
+# ---- in memory ----------------------------------------------------------------------------------
+
+
+class TestInMemoryBroker(BrokerContract):
+    @pytest.fixture
+    def backend(self) -> Backend:
+        server = InMemoryBroker(delivery_limit=2)
+
+        async def open_one() -> Broker:
+            connection = server.connection(f"contract-{uuid.uuid4()}", reconnect_after=0.05)
+            await connection.connect()
+            return connection
+
+        async def drop(broker: Broker) -> None:
+            assert isinstance(broker, InMemoryConnection)
+            broker.drop()
+
+        return Backend(Names(fresh_prefix()), open_one, drop)
+
+    async def test_under_4_3_counting_a_requeue_raises_only_the_acquired_count(self) -> None:
+        """RabbitMQ 4.3: ``x-delivery-count`` no longer counts a requeue, ``x-acquired-count``
+        does; ``broker_count`` reads whichever the broker has, and the limit never fires."""
+        server = InMemoryBroker(delivery_limit=2, counting="4.3")
+        names = Names(fresh_prefix())
+        broker = server.connection("c")
+        await broker.connect()
+        await broker.declare(names, [AGENT])
+        inbox = Inbox()
+        await broker.consume(names.tasks(AGENT), inbox, prefetch=1)
+        await broker.publish(message(names, 1))
+        for count in range(1, 5):
+            deliveries = await inbox.wait_for(count)
+            await broker.requeue(deliveries[-1])
+        last = (await inbox.wait_for(5))[-1]
+        assert "x-delivery-count" not in last.headers
+        assert last.headers["x-acquired-count"] == 4 and last.broker_count == 4
+        assert server.messages(names.dead_letter_queue) == []
+        inbox.hold.set()
+
+    async def test_a_publish_cut_off_by_a_drop_is_kept_or_lost_but_never_confirmed(
+        self,
+    ) -> None:
+        steps: list[str] = []
+
+        def latency(step: str) -> float:
+            steps.append(step)
+            return 0.01
+
+        server = InMemoryBroker(latency=latency)
+        names = Names(fresh_prefix())
+        broker = server.connection("c", reconnect_after=0.05)
+        await broker.connect()
+        await broker.declare(names, [AGENT])
+        # dropped while the message is on its way: the broker never saw it
+        sending = asyncio.create_task(broker.publish(message(names, 1)))
+        await asyncio.sleep(0)
+        broker.drop()
+        with pytest.raises(BrokerUnavailable):
+            await sending
+        assert server.messages(names.tasks(AGENT)) == []
+        # dropped while its confirm is on its way: kept, yet the publisher cannot know it
+        await eventually(lambda: broker.connected, "the connection to come back")
+        sending = asyncio.create_task(broker.publish(message(names, 2)))
+        await eventually(lambda: steps[-1] == "confirm", "the confirm to be on its way")
+        broker.drop()
+        with pytest.raises(BrokerUnavailable):
+            await sending
+        assert [m.properties["message_id"] for m in server.messages(names.tasks(AGENT))] == ["m-2"]

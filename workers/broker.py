@@ -1,0 +1,174 @@
+"""The broker port: the only way a worker reaches RabbitMQ.
+
+A backend (``workers.brokers.amqp.AmqpBroker`` on aio-pika, ``workers.brokers.memory`` in memory)
+gives the worker deliveries, publishes with confirms, and settles deliveries. It keeps the
+quorum-queue semantics the worker relies on.
+
+Contract (the shared suite in ``tests/contract/test_broker.py`` runs it against every backend):
+
+* ``declare(names, agents)`` declares, idempotently, each agent's task and reply queues (durable
+  quorum queues) and the deployment's dead-letter exchange (fanout) and queue.
+* ``consume(queue, handler, prefetch=…)`` calls ``handler`` with each :class:`Delivery` of
+  ``queue``, at most ``prefetch`` unsettled at once, each in a task of its own. Delivery order
+  is the queue's order; a delivery that returns to its queue comes again with
+  ``redelivered=True``. ``cancel_consumers()`` stops new deliveries (unsettled ones stay
+  settleable).
+* ``publish(message)`` sends a persistent, mandatory message and returns once the broker has
+  confirmed it. It raises :class:`Unroutable` when no queue took it (the broker returned it),
+  :class:`PublishRefused` when the broker refused it, and :class:`BrokerUnavailable` when the
+  connection went before the confirm came: then whether the message was kept is unknown (it may
+  be delivered or not), so a caller that must not lose it keeps it elsewhere (the outbox).
+* ``ack(delivery)`` forgets a delivery; ``requeue(delivery)`` returns it to its queue. Either
+  raises :class:`BrokerUnavailable` when the delivery's channel is gone: the broker has already
+  returned it to its queue and delivers it again, so the redelivery must be recognised (G1).
+* When the connection drops, every unsettled delivery returns to its queue, the handlers still
+  running on them are cancelled (aio-pika cancels a closed channel's consumer tasks), and
+  publishes not yet confirmed end with :class:`BrokerUnavailable`. The connection comes back by
+  itself and consuming resumes; ``connected`` says which state it is in.
+* A delivery's ``broker_count`` is how many times the broker says it was delivered before
+  without being settled: RabbitMQ's ``x-delivery-count``, or ``x-acquired-count`` where the broker
+  has it (4.3 and later, whose ``x-delivery-count`` no longer counts a requeue or a dropped
+  consumer). Counting a task's attempts does not rest on it alone (``workers.settle``).
+* Quorum-queue policy: a message delivered more than the delivery limit times without being
+  settled is dead-lettered by the broker itself through the dead-letter exchange.
+
+Errors::
+
+    BrokerError
+    ├── BrokerUnavailable   the connection or channel is gone; it comes back, retry then
+    ├── Unroutable          a mandatory publish no queue took (the broker returned it)
+    └── PublishRefused      the broker refused (nacked) a publish
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from events import OutboxMessage
+
+from .wire import Names
+
+__all__ = [
+    "Broker",
+    "BrokerError",
+    "BrokerUnavailable",
+    "Delivery",
+    "DeliveryHandler",
+    "PublishRefused",
+    "Unroutable",
+]
+
+
+class BrokerError(Exception):
+    """Base class of every error the broker port raises."""
+
+
+class BrokerUnavailable(BrokerError):
+    """The connection (or the channel) is gone. It is being restored; retry afterwards."""
+
+
+class Unroutable(BrokerError):
+    """No queue took a mandatory publish: the broker returned it (``routing_key`` names none)."""
+
+    def __init__(self, message_id: str, routing_key: str) -> None:
+        super().__init__(f"message {message_id!r} to {routing_key!r}: no queue takes it")
+        self.message_id = message_id
+        self.routing_key = routing_key
+
+
+class PublishRefused(BrokerError):
+    """The broker refused a publish (a negative confirm)."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Delivery:
+    """A message handed to a consumer, not settled yet."""
+
+    queue: str
+    body: bytes
+    message_id: str | None = None
+    correlation_id: str | None = None
+    reply_to: str | None = None
+    type: str | None = None
+    content_type: str | None = None
+    user_id: str | None = None
+    """The AMQP user that published it, when the publisher set it (RabbitMQ validates it)."""
+    headers: Mapping[str, Any] = field(default_factory=dict)
+    redelivered: bool = False
+    broker_count: int = 0
+    """Earlier deliveries of this message the broker counted (see the module docstring)."""
+    handle: Any = field(default=None, repr=False)
+    """The backend's own reference to the delivery (channel and tag): only it reads this."""
+
+
+DeliveryHandler = Callable[[Delivery], Awaitable[None]]
+
+
+class Broker(abc.ABC):
+    """A connection to the broker for one worker: consume, publish, settle."""
+
+    @abc.abstractmethod
+    async def connect(self) -> None:
+        """Open the connection (it reconnects by itself when it drops)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Close the connection: unsettled deliveries go back to their queues."""
+
+    @property
+    @abc.abstractmethod
+    def connected(self) -> bool:
+        """True while the connection is up."""
+
+    @abc.abstractmethod
+    async def declare(self, names: Names, agents: Iterable[str]) -> None:
+        """Declare the deployment's queues and dead-letter exchange (idempotent)."""
+
+    @abc.abstractmethod
+    async def consume(self, queue: str, handler: DeliveryHandler, *, prefetch: int) -> None:
+        """Start handing ``queue``'s deliveries to ``handler``."""
+
+    @abc.abstractmethod
+    async def cancel_consumers(self) -> None:
+        """Stop every consumer of this connection; unsettled deliveries stay settleable."""
+
+    @property
+    @abc.abstractmethod
+    def consumers(self) -> int:
+        """How many consumers this connection runs right now."""
+
+    @abc.abstractmethod
+    async def publish(self, message: OutboxMessage) -> None:
+        """Publish ``message`` (persistent, mandatory) and wait for the broker's confirm."""
+
+    async def publish_all(self, messages: Sequence[OutboxMessage]) -> list[BrokerError | None]:
+        """Publish all of ``messages`` at once (their confirms awaited together); the error of
+        each, or None. Errors other than :class:`BrokerError` propagate."""
+        outcomes = await asyncio.gather(
+            *(self.publish(message) for message in messages), return_exceptions=True
+        )
+        errors: list[BrokerError | None] = []
+        for outcome in outcomes:
+            if isinstance(outcome, BrokerError):
+                errors.append(outcome)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                errors.append(None)
+        return errors
+
+    @abc.abstractmethod
+    async def ack(self, delivery: Delivery) -> None:
+        """Settle ``delivery`` for good."""
+
+    @abc.abstractmethod
+    async def requeue(self, delivery: Delivery) -> None:
+        """Return ``delivery`` to its queue, to be delivered again."""
+
+    @abc.abstractmethod
+    def settleable(self, delivery: Delivery) -> bool:
+        """False once ``delivery``'s channel is gone (the broker has taken it back)."""

@@ -1,0 +1,222 @@
+"""The broker port on RabbitMQ, through aio-pika: what a worker uses in production.
+
+One robust connection (it reconnects by itself, and restores its channels and consumers), one
+confirming channel for publishing (mandatory, returns raised as errors), one channel for
+consuming with the prefetch of the first consumer. Driver errors are translated at this
+boundary into the port's own (``workers.broker``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+import aio_pika
+import aiormq.exceptions
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractExchange,
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustConnection,
+)
+
+from events import OutboxMessage
+
+from .. import topology
+from ..broker import (
+    Broker,
+    BrokerError,
+    BrokerUnavailable,
+    Delivery,
+    DeliveryHandler,
+    PublishRefused,
+    Unroutable,
+)
+from ..wire import Names
+
+__all__ = ["AmqpBroker", "delivery_of"]
+
+_UNAVAILABLE = (
+    aiormq.exceptions.AMQPError,
+    aiormq.exceptions.ChannelInvalidStateError,
+    ConnectionError,
+)
+
+
+def _broker_count(headers: dict[str, Any]) -> int:
+    counts = [
+        value
+        for value in (headers.get("x-delivery-count"), headers.get("x-acquired-count"))
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    ]
+    return max(counts, default=0)
+
+
+def delivery_of(message: AbstractIncomingMessage, queue: str) -> Delivery:
+    """The port's view of an aio-pika message."""
+    headers = dict(message.headers or {})
+    return Delivery(
+        queue=queue,
+        body=message.body,
+        message_id=message.message_id,
+        correlation_id=message.correlation_id,
+        reply_to=message.reply_to,
+        type=message.type,
+        content_type=message.content_type,
+        user_id=message.user_id,
+        headers=headers,
+        redelivered=bool(message.redelivered),
+        broker_count=_broker_count(headers),
+        handle=message,
+    )
+
+
+def _translated(error: BaseException) -> BrokerError:
+    if isinstance(error, BrokerError):
+        return error
+    return BrokerUnavailable(str(error) or type(error).__name__)
+
+
+class AmqpBroker(Broker):
+    """The port on a RabbitMQ broker at ``url``.
+
+    ``delivery_limit`` and ``policy`` (``auto``, ``rabbitmqctl`` or ``none``) say how
+    :meth:`declare` applies the deployment's queue policy (``workers.topology``).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        connection_name: str = "waystation worker",
+        delivery_limit: int = 5,
+        policy: str = "none",
+    ) -> None:
+        self.url = url
+        self.connection_name = connection_name
+        self._delivery_limit = delivery_limit
+        self._policy = policy
+        self._connection: AbstractRobustConnection | None = None
+        self._publishing: AbstractChannel | None = None
+        self._consuming: AbstractChannel | None = None
+        self._exchanges: dict[str, AbstractExchange] = {}
+        self._consumers: list[tuple[AbstractQueue, str]] = []
+
+    async def connect(self) -> None:
+        try:
+            self._connection = await aio_pika.connect_robust(
+                self.url, client_properties={"connection_name": self.connection_name}
+            )
+            self._publishing = await self._connection.channel(
+                publisher_confirms=True, on_return_raises=True
+            )
+        except _UNAVAILABLE as error:
+            raise _translated(error) from error
+        self._exchanges = {"": self._publishing.default_exchange}
+
+    async def close(self) -> None:
+        if self._connection is not None:
+            await self._connection.close()
+            self._connection = None
+
+    @property
+    def connected(self) -> bool:
+        connection = self._connection
+        return connection is not None and connection.connected.is_set()
+
+    def _channel(self) -> AbstractChannel:
+        if self._publishing is None:
+            raise BrokerUnavailable("the broker connection is not open")
+        return self._publishing
+
+    async def declare(self, names: Names, agents: Iterable[str]) -> None:
+        agents = list(agents)
+        try:
+            await topology.declare(self._channel(), names, agents)
+        except _UNAVAILABLE as error:
+            raise _translated(error) from error
+        await topology.apply_policy(
+            names, self._delivery_limit, self._policy, vhost=topology.vhost_of(self.url)
+        )
+
+    async def consume(self, queue: str, handler: DeliveryHandler, *, prefetch: int) -> None:
+        if self._connection is None:
+            raise BrokerUnavailable("the broker connection is not open")
+        try:
+            if self._consuming is None:
+                self._consuming = await self._connection.channel()
+                await self._consuming.set_qos(prefetch_count=prefetch)
+            declared = await self._consuming.get_queue(queue, ensure=True)
+
+            async def on_message(message: AbstractIncomingMessage) -> None:
+                await handler(delivery_of(message, queue))
+
+            tag = await declared.consume(on_message)
+        except _UNAVAILABLE as error:
+            raise _translated(error) from error
+        self._consumers.append((declared, tag))
+
+    async def cancel_consumers(self) -> None:
+        for queue, tag in self._consumers:
+            with contextlib.suppress(Exception):
+                await queue.cancel(tag)
+        self._consumers.clear()
+
+    @property
+    def consumers(self) -> int:
+        return len(self._consumers)
+
+    async def _exchange(self, name: str) -> AbstractExchange:
+        exchange = self._exchanges.get(name)
+        if exchange is None:
+            exchange = await self._channel().get_exchange(name, ensure=False)
+            self._exchanges[name] = exchange
+        return exchange
+
+    async def publish(self, message: OutboxMessage) -> None:
+        properties = message.properties
+        try:
+            exchange = await self._exchange(message.exchange)
+            await exchange.publish(
+                aio_pika.Message(
+                    message.body,
+                    message_id=message.message_id or None,
+                    correlation_id=properties.get("correlation_id"),
+                    reply_to=properties.get("reply_to"),
+                    type=properties.get("type"),
+                    content_type=properties.get("content_type"),
+                    headers=properties.get("headers") or None,
+                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                ),
+                routing_key=message.routing_key,
+                mandatory=True,
+            )
+        except aiormq.exceptions.PublishError as error:
+            raise Unroutable(message.message_id, message.routing_key) from error
+        except aiormq.exceptions.DeliveryError as error:
+            raise PublishRefused(f"the broker refused {message.message_id!r}") from error
+        except _UNAVAILABLE as error:
+            raise _translated(error) from error
+
+    async def ack(self, delivery: Delivery) -> None:
+        message: AbstractIncomingMessage = delivery.handle
+        try:
+            await message.ack()
+        except _UNAVAILABLE as error:
+            raise _translated(error) from error
+
+    async def requeue(self, delivery: Delivery) -> None:
+        message: AbstractIncomingMessage = delivery.handle
+        try:
+            await message.nack(requeue=True)
+        except _UNAVAILABLE as error:
+            raise _translated(error) from error
+
+    def settleable(self, delivery: Delivery) -> bool:
+        message: AbstractIncomingMessage = delivery.handle
+        try:
+            return not message.channel.is_closed
+        except aiormq.exceptions.ChannelInvalidStateError:  # what aio-pika says once it closed
+            return False

@@ -1,0 +1,411 @@
+"""The broker port in memory: a real implementation, with the quorum-queue semantics the worker
+relies on, for fast tests, the deterministic simulation, and trying handlers without services.
+
+:class:`InMemoryBroker` is the broker (queues, exchanges, the delivery-limit policy); each worker
+opens its own :class:`InMemoryConnection`, which implements the port (``workers.broker``):
+
+* an unsettled delivery returns to the head of its queue when its connection drops or is closed;
+* the broker counts deliveries that were not settled. ``counting="classic"`` (RabbitMQ before
+  4.3): a requeue and a return both raise ``x-delivery-count``. ``counting="4.3"``: they raise
+  only ``x-acquired-count``, and ``x-delivery-count`` (which the delivery limit reads) stays put;
+* past the delivery limit the broker dead-letters the message through the queue's dead-letter
+  exchange (``x-first-death-reason: delivery_limit``);
+* a mandatory publish that no queue takes raises :class:`~workers.broker.Unroutable`;
+* a publish not yet confirmed when its connection drops raises
+  :class:`~workers.broker.BrokerUnavailable`, and the message was kept or lost depending on
+  whether the broker had received it;
+* an ack sent just before a drop may be lost: the delivery then comes again.
+
+Every wait is ``asyncio.sleep`` on the running loop, for ``latency(step)`` seconds when a latency
+function is given (the simulation draws them from its seeded generator), so the interleavings
+depend only on that function. Nothing here reads a clock or draws a random number of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from events import OutboxMessage
+
+from ..broker import Broker, BrokerUnavailable, Delivery, DeliveryHandler, Unroutable
+from ..wire import Names
+
+__all__ = ["InMemoryBroker", "InMemoryConnection", "StoredMessage"]
+
+Counting = Literal["classic", "4.3"]
+Latency = Callable[[str], float]
+
+_PROPERTIES = ("message_id", "correlation_id", "reply_to", "type", "content_type", "user_id")
+
+
+@dataclass(eq=False)
+class StoredMessage:
+    """A message as the broker keeps it in a queue."""
+
+    body: bytes
+    properties: dict[str, Any]
+    headers: dict[str, Any]
+    routing_key: str
+    delivered: bool = False
+    delivery_count: int = 0
+    acquired_count: int = 0
+
+    def header_view(self) -> dict[str, Any]:
+        headers = dict(self.headers)
+        if self.delivery_count:
+            headers["x-delivery-count"] = self.delivery_count
+        if self.acquired_count:
+            headers["x-acquired-count"] = self.acquired_count
+        return headers
+
+
+@dataclass(eq=False)
+class _Consumer:
+    connection: InMemoryConnection
+    queue: str
+    handler: DeliveryHandler
+    prefetch: int
+    epoch: int
+    unacked: dict[int, StoredMessage] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Queue:
+    name: str
+    ready: collections.deque[StoredMessage] = field(default_factory=collections.deque)
+    consumers: list[_Consumer] = field(default_factory=list)
+    turn: int = 0
+    delivery_limit: int | None = None
+    dead_letter_exchange: str | None = None
+
+
+class InMemoryBroker:
+    """The broker: queues and exchanges in memory, shared by every connection to it."""
+
+    def __init__(
+        self,
+        *,
+        delivery_limit: int | None = 5,
+        counting: Counting = "classic",
+        latency: Latency | None = None,
+        rng: random.Random | None = None,
+        duplicate_rate: float = 0.0,
+    ) -> None:
+        self.delivery_limit = delivery_limit
+        self.counting = counting
+        self.latency = latency
+        self.duplicate_rate = duplicate_rate
+        """Share of routed messages enqueued twice (a publisher that retried a lost confirm)."""
+        self._rng = rng or random.Random(0)
+        self.queues: dict[str, _Queue] = {}
+        self._fanouts: dict[str, list[str]] = {}
+        self._tags = 0
+        self.connections: list[InMemoryConnection] = []
+
+    # ---- administration (what a broker's operator or a test does) ----------------------------
+
+    def declare_queue(self, name: str) -> None:
+        self.queues.setdefault(name, _Queue(name))
+
+    def delete_queue(self, name: str) -> None:
+        queue = self.queues.pop(name, None)
+        if queue is not None:
+            for consumer in queue.consumers:
+                consumer.connection.forget(consumer)
+
+    def declare_fanout(self, exchange: str, queue: str) -> None:
+        self.declare_queue(queue)
+        bound = self._fanouts.setdefault(exchange, [])
+        if queue not in bound:
+            bound.append(queue)
+
+    def apply_policy(self, names: Names) -> None:
+        """The deployment's policy: delivery limit and dead-letter exchange on its queues."""
+        for queue in self.queues.values():
+            if queue.name.startswith(names.prefix) and queue.name != names.dead_letter_queue:
+                queue.delivery_limit = self.delivery_limit
+                queue.dead_letter_exchange = names.dead_letter_exchange
+
+    def messages(self, queue: str) -> list[StoredMessage]:
+        """The messages ready in ``queue`` (not delivered to anyone), in order."""
+        found = self.queues.get(queue)
+        return list(found.ready) if found else []
+
+    def unsettled(self) -> int:
+        """Deliveries handed out and not settled yet, over every queue."""
+        return sum(len(c.unacked) for q in self.queues.values() for c in q.consumers)
+
+    # ---- routing and delivery ----------------------------------------------------------------
+
+    def route(self, exchange: str, routing_key: str) -> list[str]:
+        if exchange == "":
+            return [routing_key] if routing_key in self.queues else []
+        return [q for q in self._fanouts.get(exchange, []) if q in self.queues]
+
+    def enqueue(self, queues: Iterable[str], message: OutboxMessage) -> None:
+        properties = {
+            "message_id": message.message_id or None,
+            **{k: message.properties.get(k) for k in _PROPERTIES if k != "message_id"},
+        }
+        copies = 2 if self.duplicate_rate and self._rng.random() < self.duplicate_rate else 1
+        for name in queues:
+            for _ in range(copies):
+                self.queues[name].ready.append(
+                    StoredMessage(
+                        message.body,
+                        dict(properties),
+                        dict(message.properties.get("headers") or {}),
+                        message.routing_key,
+                    )
+                )
+        self.pump()
+
+    def give_back(self, queue_name: str, message: StoredMessage) -> None:
+        """A delivery comes back unsettled (requeued by its consumer, or returned because its
+        connection went): counted, then dead-lettered past the delivery limit."""
+        if self.counting == "classic":
+            message.delivery_count += 1
+        else:
+            message.acquired_count += 1
+        queue = self.queues.get(queue_name)
+        if queue is None:
+            return
+        if queue.delivery_limit is not None and message.delivery_count > queue.delivery_limit:
+            self._dead_letter(queue, message, "delivery_limit")
+        else:
+            queue.ready.appendleft(message)
+        self.pump()
+
+    def _dead_letter(self, queue: _Queue, message: StoredMessage, reason: str) -> None:
+        if queue.dead_letter_exchange is None:
+            return  # dropped, as RabbitMQ drops it without a dead-letter exchange
+        headers = {
+            **message.header_view(),
+            "x-first-death-reason": reason,
+            "x-first-death-queue": queue.name,
+        }
+        for target in self.route(queue.dead_letter_exchange, message.routing_key):
+            self.queues[target].ready.append(
+                StoredMessage(message.body, dict(message.properties), headers, queue.name)
+            )
+
+    def pump(self) -> None:
+        """Hand ready messages to consumers with room, round robin within each queue."""
+        for queue in list(self.queues.values()):
+            while queue.ready and queue.consumers:
+                consumer = self._next_consumer(queue)
+                if consumer is None:
+                    break
+                message = queue.ready.popleft()
+                self._tags += 1
+                consumer.unacked[self._tags] = message
+                consumer.connection.deliver(consumer, self._tags, message)
+                message.delivered = True
+
+    @staticmethod
+    def _next_consumer(queue: _Queue) -> _Consumer | None:
+        count = len(queue.consumers)
+        for offset in range(count):
+            consumer = queue.consumers[(queue.turn + offset) % count]
+            if len(consumer.unacked) < consumer.prefetch:
+                queue.turn = (queue.turn + offset + 1) % count
+                return consumer
+        return None
+
+    def connection(self, name: str, *, reconnect_after: float = 0.5) -> InMemoryConnection:
+        connection = InMemoryConnection(self, name, reconnect_after=reconnect_after)
+        self.connections.append(connection)
+        return connection
+
+
+class InMemoryConnection(Broker):
+    """One worker's connection to an :class:`InMemoryBroker`; it reconnects by itself after
+    :meth:`drop` (as aio-pika's robust connection does), never after :meth:`kill`."""
+
+    def __init__(self, broker: InMemoryBroker, name: str, *, reconnect_after: float) -> None:
+        self.broker = broker
+        self.name = name
+        self.reconnect_after = reconnect_after
+        self._up = False
+        self._dead = False
+        self._epoch = 0
+        self._wanted: list[tuple[str, DeliveryHandler, int]] = []
+        self._consumers: list[_Consumer] = []
+        self._running: dict[int, asyncio.Task[None]] = {}
+
+    async def _wait(self, step: str) -> None:
+        await asyncio.sleep(self.broker.latency(step) if self.broker.latency else 0)
+
+    def _require_up(self) -> int:
+        if not self._up:
+            raise BrokerUnavailable(f"connection {self.name!r} is down")
+        return self._epoch
+
+    async def connect(self) -> None:
+        if self._dead:
+            raise BrokerUnavailable(f"connection {self.name!r} was killed")
+        await self._wait("connect")
+        self._up = True
+
+    async def close(self) -> None:
+        self._drop()
+        self._dead = True
+
+    @property
+    def connected(self) -> bool:
+        return self._up
+
+    async def declare(self, names: Names, agents: Iterable[str]) -> None:
+        self._require_up()
+        await self._wait("declare")
+        self.broker.declare_fanout(names.dead_letter_exchange, names.dead_letter_queue)
+        for agent in agents:
+            self.broker.declare_queue(names.tasks(agent))
+            self.broker.declare_queue(names.replies(agent))
+        self.broker.apply_policy(names)
+
+    async def consume(self, queue: str, handler: DeliveryHandler, *, prefetch: int) -> None:
+        self._require_up()
+        if queue not in self.broker.queues:
+            raise BrokerUnavailable(f"no queue {queue!r}: the broker closed the channel")
+        self._wanted.append((queue, handler, prefetch))
+        self._subscribe(queue, handler, prefetch)
+
+    def _subscribe(self, queue: str, handler: DeliveryHandler, prefetch: int) -> None:
+        found = self.broker.queues.get(queue)
+        if found is None:
+            return
+        consumer = _Consumer(self, queue, handler, prefetch, self._epoch)
+        self._consumers.append(consumer)
+        found.consumers.append(consumer)
+        self.broker.pump()
+
+    async def cancel_consumers(self) -> None:
+        self._wanted.clear()
+        for consumer in self._consumers:
+            queue = self.broker.queues.get(consumer.queue)
+            if queue is not None and consumer in queue.consumers:
+                queue.consumers.remove(consumer)
+        # their unsettled deliveries stay settleable through self._consumers
+
+    @property
+    def consumers(self) -> int:
+        return len(self._wanted) if self._up else 0
+
+    def forget(self, consumer: _Consumer) -> None:
+        """The broker deleted ``consumer``'s queue."""
+        if consumer in self._consumers:
+            self._consumers.remove(consumer)
+        self._wanted = [w for w in self._wanted if w[0] != consumer.queue]
+
+    def deliver(self, consumer: _Consumer, tag: int, message: StoredMessage) -> None:
+        headers = message.header_view()
+        delivery = Delivery(
+            queue=consumer.queue,
+            body=message.body,
+            headers=headers,
+            redelivered=message.delivered,
+            broker_count=max(message.delivery_count, message.acquired_count),
+            handle=(consumer, tag),
+            **{k: message.properties.get(k) for k in _PROPERTIES},
+        )
+
+        async def run() -> None:
+            try:
+                await self._wait("deliver")
+                await consumer.handler(delivery)
+            finally:
+                self._running.pop(tag, None)
+
+        self._running[tag] = asyncio.get_running_loop().create_task(run())
+
+    async def publish(self, message: OutboxMessage) -> None:
+        epoch = self._require_up()
+        await self._wait("publish")
+        if not self._up or self._epoch != epoch:  # lost on the way: the broker never saw it
+            raise BrokerUnavailable(f"connection {self.name!r} dropped before the publish")
+        queues = self.broker.route(message.exchange, message.routing_key)
+        if queues:
+            self.broker.enqueue(queues, message)
+        await self._wait("confirm")
+        if not self._up or self._epoch != epoch:  # kept (if routed), but the confirm is lost
+            raise BrokerUnavailable(f"connection {self.name!r} dropped before the confirm")
+        if not queues:
+            raise Unroutable(message.message_id, message.routing_key)
+
+    def _owned(self, delivery: Delivery) -> tuple[_Consumer, int]:
+        consumer, tag = delivery.handle
+        if (
+            not self._up
+            or consumer.connection is not self
+            or consumer.epoch != self._epoch
+            or tag not in consumer.unacked
+        ):
+            raise BrokerUnavailable("the delivery's channel is gone")
+        return consumer, tag
+
+    async def ack(self, delivery: Delivery) -> None:
+        consumer, tag = self._owned(delivery)
+        epoch = self._epoch
+        await self._wait("ack")
+        if self._epoch == epoch and tag in consumer.unacked:  # else the ack was lost in the drop
+            del consumer.unacked[tag]
+            self.broker.pump()
+
+    async def requeue(self, delivery: Delivery) -> None:
+        consumer, tag = self._owned(delivery)
+        epoch = self._epoch
+        await self._wait("ack")
+        if self._epoch == epoch and tag in consumer.unacked:
+            self.broker.give_back(consumer.queue, consumer.unacked.pop(tag))
+
+    def settleable(self, delivery: Delivery) -> bool:
+        try:
+            self._owned(delivery)
+        except BrokerUnavailable:
+            return False
+        return True
+
+    # ---- faults -------------------------------------------------------------------------------
+
+    def _drop(self) -> None:
+        if not self._up:
+            return
+        self._up = False
+        self._epoch += 1
+        for consumer in self._consumers:
+            queue = self.broker.queues.get(consumer.queue)
+            if queue is not None and consumer in queue.consumers:
+                queue.consumers.remove(consumer)
+            unacked, consumer.unacked = consumer.unacked, {}
+            for tag, message in unacked.items():
+                task = self._running.pop(tag, None)
+                if task is not None:
+                    task.cancel()  # as aio-pika cancels a closed channel's consumer tasks
+                self.broker.give_back(consumer.queue, message)
+        self._consumers = []
+
+    def drop(self) -> None:
+        """The connection drops (a network fault, ``close_all_connections``); it comes back
+        after ``reconnect_after`` seconds with its consumers."""
+        if self._dead or not self._up:
+            return
+        self._drop()
+        asyncio.get_running_loop().call_later(self.reconnect_after, self._restore)
+
+    def _restore(self) -> None:
+        if self._dead or self._up:
+            return
+        self._up = True
+        for queue, handler, prefetch in self._wanted:
+            self._subscribe(queue, handler, prefetch)
+
+    def kill(self) -> None:
+        """The worker's process died: the connection drops for good."""
+        self._drop()
+        self._dead = True
