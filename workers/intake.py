@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from aio_pika.abc import AbstractIncomingMessage
+
+from .broker import Delivery
 
 __all__ = ["Rejection", "inspect"]
 
@@ -43,20 +44,18 @@ def _header_size(headers: Any) -> int:
         return len(repr(headers))
 
 
-def inspect(
-    message: AbstractIncomingMessage, *, max_body: int, max_headers: int
-) -> Any | Rejection:
-    """The JSON body of ``message``, or why it cannot be used."""
-    size = len(message.body)
+def inspect(delivery: Delivery, *, max_body: int, max_headers: int) -> Any | Rejection:
+    """The JSON body of ``delivery``, or why it cannot be used."""
+    size = len(delivery.body)
     if size > max_body:
         return Rejection("too-large", f"body of {size} bytes is over the {max_body}-byte limit")
-    if message.headers and _header_size(message.headers) > max_headers:
+    if delivery.headers and _header_size(delivery.headers) > max_headers:
         return Rejection("headers-too-large", f"headers are over the {max_headers}-byte limit")
     try:
-        message.body.decode("utf-8")
+        delivery.body.decode("utf-8")
     except UnicodeDecodeError as error:
         return Rejection("invalid-utf8", f"body is not UTF-8: {error}")
     try:
-        return orjson.loads(message.body)
+        return orjson.loads(delivery.body)
     except orjson.JSONDecodeError as error:
         return Rejection("invalid-json", f"body is not JSON: {error}")

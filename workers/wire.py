@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from events import (
@@ -48,6 +48,7 @@ __all__ = [
     "implied_messages",
     "result_message",
     "trace_id_of",
+    "with_prior_attempts",
 ]
 
 CONTENT_TYPE = "application/json"
@@ -198,6 +199,14 @@ def cancel_message(
         body=dumps({"task_id": subtask_id, "reason": reason}),
         properties={"type": TYPE_CANCEL, "content_type": CONTENT_TYPE, "headers": headers},
     )
+
+
+def with_prior_attempts(message: OutboxMessage, attempts: int) -> OutboxMessage:
+    """``message`` carrying, if it is a resume message, how many runs already failed in place."""
+    if message.properties.get("type") != TYPE_RESUME:
+        return message
+    headers = {**(message.properties.get("headers") or {}), HEADER_PRIOR_ATTEMPTS: attempts}
+    return replace(message, properties={**message.properties, "headers": headers})
 
 
 def _resumed_here(following: Sequence[DomainEvent]) -> bool:

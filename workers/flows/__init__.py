@@ -1,0 +1,65 @@
+"""The worker's flows, one per message kind (DESIGN.md §5): decide, append, publish, settle.
+
+Each flow takes a delivery and returns what should become of it (``workers.settle.Settled``);
+the worker settles it afterwards, so that no flow acks before its effect is durable (G1).
+
+What each queue takes (``workers.wire``):
+
+* ``P<agent>``: ``task`` (:mod:`.task`), ``resume`` (:mod:`.resume`), ``cancel`` (:mod:`.cancel`);
+* ``P<agent>.replies``: ``result`` (:mod:`.reply`), ``progress`` (:mod:`.progress`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..agent import AgentSpec
+from ..broker import Delivery
+from ..settle import Settled, dead
+from ..wire import TYPE_CANCEL, TYPE_PROGRESS, TYPE_RESULT, TYPE_RESUME, TYPE_TASK
+from .base import Flows
+from .cancel import handle_cancel
+from .progress import handle_progress
+from .reply import handle_reply
+from .resume import handle_resume
+from .task import handle_task
+
+__all__ = ["KINDS", "Flows", "dispatch", "kind_label"]
+
+KINDS = {
+    "tasks": frozenset({TYPE_TASK, TYPE_RESUME, TYPE_CANCEL}),
+    "replies": frozenset({TYPE_RESULT, TYPE_PROGRESS}),
+}
+
+
+def kind_label(delivery: Delivery, kind: str) -> str:
+    """The delivery's type as a metric label (``other`` for types nobody sends, so a stray
+    publisher cannot grow the label set without bound)."""
+    given = delivery.type or (TYPE_TASK if kind == "tasks" else TYPE_RESULT)
+    return given if given in KINDS[kind] else "other"
+
+
+async def dispatch(
+    flows: Flows, delivery: Delivery, spec: AgentSpec, kind: str, body: Any
+) -> Settled:
+    """Run the flow of ``delivery``'s type (``kind`` is the queue it came from)."""
+    if kind == "replies":
+        message_type = delivery.type or TYPE_RESULT
+        if message_type == TYPE_RESULT:
+            return await handle_reply(flows, delivery, body)
+        if message_type == TYPE_PROGRESS:
+            return await handle_progress(flows, delivery, body)
+    else:
+        message_type = delivery.type or TYPE_TASK
+        if message_type == TYPE_TASK:
+            return await handle_task(flows, delivery, spec, body)
+        if message_type == TYPE_RESUME:
+            return await handle_resume(flows, delivery, spec, body)
+        if message_type == TYPE_CANCEL:
+            return await handle_cancel(flows, delivery, spec, body)
+    # a publisher that set reply_to on the task queue asked for an answer (G9)
+    return dead(
+        "unknown-message-type",
+        f"type {message_type!r} on {kind} queue",
+        tell_publisher=kind == "tasks",
+    )

@@ -1,0 +1,53 @@
+"""A cancel message: record ``TaskCancelled``, cancel the peers it waits for, answer (G7).
+
+A cancel racing a resume is settled by the log: whichever commits first wins, and the other is
+refused by the version check and decided again on what is there.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from events import TaskState, decide_cancel
+
+from ..agent import AgentSpec
+from ..broker import Delivery
+from ..recorder import Cause
+from ..settle import Settled, ack, dead
+from ..wire import ResultEnvelope, result_message
+from .base import Flows
+
+__all__ = ["handle_cancel"]
+
+log = logging.getLogger(__name__)
+
+
+async def handle_cancel(flows: Flows, delivery: Delivery, spec: AgentSpec, body: Any) -> Settled:
+    if not isinstance(body, dict) or not isinstance(body.get("task_id"), str):
+        return dead(
+            "wrong-shape",
+            'a cancel body is {"task_id": str, "reason": str?}',
+            tell_publisher=True,
+        )
+    task_id = body["task_id"]
+    reason = body.get("reason") if isinstance(body.get("reason"), str) else None
+    applied = await flows.recorder.append_decision(
+        task_id,
+        lambda current: decide_cancel(current, reason),
+        key=lambda _: "cancel",
+        cause=Cause.of(delivery),
+        step="cancel",
+        describe_new=lambda current: TaskState(task_id=task_id, agent=spec.name),
+    )
+    status = "cancelled" if applied.events else applied.state.status
+    log.info("cancel of %s: %s", task_id, "cancelled" if applied.events else status)
+    flows.observer.count("cancels_applied" if applied.events else "cancels_ignored")
+    if delivery.reply_to:
+        envelope = ResultEnvelope("ok", result={"task_id": task_id, "status": status})
+        await flows.broker.publish(
+            result_message(
+                f"{task_id}:cancel", delivery.reply_to, delivery.correlation_id, envelope
+            )
+        )
+    return ack()

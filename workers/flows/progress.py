@@ -1,0 +1,43 @@
+"""A progress message: a peer still working on a call moves the call's deadline (G6)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from events import decide_extension
+
+from ..broker import Delivery
+from ..recorder import Cause
+from ..settle import Settled, ack, dead
+from .base import Flows
+from .reply import subtask_of
+
+__all__ = ["handle_progress"]
+
+
+async def handle_progress(flows: Flows, delivery: Delivery, body: Any) -> Settled:
+    found = subtask_of(delivery)
+    if isinstance(found, Settled):
+        return found
+    task_id, subtask = found
+    extend_by = body.get("extend_by") if isinstance(body, dict) else None
+    if not isinstance(extend_by, (int, float)) or isinstance(extend_by, bool) or extend_by <= 0:
+        return dead("wrong-shape", 'a progress body is {"extend_by": <seconds > 0>}')
+    applied = await flows.recorder.append_decision(
+        task_id,
+        lambda state: decide_extension(
+            state,
+            subtask,
+            extend_by=float(extend_by),
+            now=flows.clock(),
+            max_duration=flows.settings.max_call_duration,
+        ),
+        key=lambda _: f"progress:{subtask}:{delivery.message_id or uuid.uuid4()}",
+        cause=Cause.of(delivery),
+        step="progress",
+    )
+    if not applied.state.exists:
+        return dead("unknown-task", f"no task {task_id!r} in the log")
+    flows.observer.count("deadlines_extended" if applied.events else "progress_ignored")
+    return ack()

@@ -1,0 +1,184 @@
+"""A peer's reply: claim the call and record its result; the last one resumes the task (G2, G3).
+
+``SubtaskClaimed`` + ``ResultRecorded`` (+ ``TaskResumed`` for the last outstanding call) go in
+one append. A duplicate, a late reply or one for an unknown call is acked and recorded for audit
+(``ReplyIgnored``), never applied; the redelivery of the very message that claimed is recognised
+and acked without appending anything.
+
+The worker that records the last reply runs the resumed handler at once, in place, and appends
+its outcome in the same statement (DESIGN.md §8): no resume message, no second read. The reply
+stays unacked until that append commits, so a crash redelivers it and the whole step runs again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, Literal
+
+from events import (
+    DomainEvent,
+    InvalidTransition,
+    NewEvent,
+    Pause,
+    RecordedEvent,
+    SubtaskClaimed,
+    TaskResumed,
+    TaskState,
+    decide_failure,
+    decide_outcome,
+    decide_reply,
+    fold,
+    parse_subtask_id,
+)
+from events.chain import recorded_events
+
+from ..broker import Delivery
+from ..recorder import Cause, Extension
+from ..settle import Settled, ack, dead
+from ..wire import ResultEnvelope
+from .base import Flows, error_of, resume_context
+
+__all__ = ["handle_reply", "record_unroutable", "subtask_of"]
+
+log = logging.getLogger(__name__)
+
+
+def subtask_of(delivery: Delivery) -> tuple[str, str] | Settled:
+    """``(task_id, subtask_id)`` a reply or progress report is about, or why it is dead."""
+    subtask = delivery.correlation_id
+    if not subtask:
+        return dead("missing-property", "a reply needs the correlation_id of its request")
+    try:
+        task_id, _, _ = parse_subtask_id(subtask)
+    except ValueError:
+        return dead("malformed-correlation-id", f"{subtask!r} names no sub-task")
+    return task_id, subtask
+
+
+async def handle_reply(flows: Flows, delivery: Delivery, body: Any) -> Settled:
+    found = subtask_of(delivery)
+    if isinstance(found, Settled):
+        return found
+    task_id, subtask = found
+    try:
+        envelope = ResultEnvelope.from_json(body)
+    except ValueError as problem:
+        return dead("wrong-shape", str(problem))
+    outcome: Literal["ok", "error"] = "ok" if envelope.status == "ok" else "error"
+    value = envelope.result if outcome == "ok" else None
+    error = envelope.error if outcome == "ok" else envelope.error or {"type": envelope.status}
+
+    def decide(state: TaskState) -> list[DomainEvent]:
+        if not state.exists:
+            return []
+        return decide_reply(
+            state,
+            subtask,
+            outcome=outcome,
+            value=value,
+            error=error,
+            message_id=delivery.message_id,
+        )
+
+    def key(events: list[DomainEvent]) -> str:
+        if isinstance(events[0], SubtaskClaimed):
+            return f"reply:{subtask}"
+        log.info("reply for %s not applied: %s", subtask, getattr(events[0], "reason", "?"))
+        flows.observer.count("replies_ignored")
+        return f"ignored:{subtask}:{delivery.message_id or uuid.uuid4()}"
+
+    cause = Cause.of(delivery)
+
+    async def resume_here(
+        state: TaskState, recorded: list[RecordedEvent], events: list[DomainEvent]
+    ) -> Extension | None:
+        return await _resume_in_place(flows, state, recorded, events, cause)
+
+    applied = await flows.recorder.append_decision(
+        task_id, decide, key=key, cause=cause, step="reply", extend=resume_here
+    )
+    if not applied.state.exists:
+        return dead("unknown-task", f"no task {task_id!r} in the log")
+    if not applied.events:
+        flows.observer.count("redelivered_recognised")
+    return ack(applied.checkpoint_started)
+
+
+async def _resume_in_place(
+    flows: Flows,
+    state: TaskState,
+    recorded: list[RecordedEvent],
+    events: list[DomainEvent],
+    cause: Cause,
+) -> Extension | None:
+    """Run the resumed handler now, on the instance that records the pause's last reply, so
+    that its outcome joins the same append.
+
+    None leaves the decision as it was (``TaskResumed`` and a resume message, which any instance
+    serving the agent takes): when resuming in place is off, or when this worker does not serve
+    the task's agent. When the handler raises or returns something invalid, the decision stays
+    too, and its resume message counts that failed run, so that retries and the final failure
+    follow the resume path within the same delivery limit.
+    """
+    if not (flows.settings.resume_in_place and events and isinstance(events[-1], TaskResumed)):
+        return None
+    spec = flows.app.agents.get(state.agent or "")
+    if spec is None:
+        return None
+    decided_at = flows.clock()
+    metadata = flows.recorder.metadata(state, cause)
+    own = [NewEvent.of(uuid.uuid4(), event, metadata) for event in events]
+    resumed = fold(
+        state.task_id,
+        [*recorded, *recorded_events(state.task_id, state.version, own, state.last_hash)],
+    )
+    try:
+        outcome = await flows.run_handler(spec, resume_context(spec, resumed))
+        returned_at = time.perf_counter()
+        flows.faults.hit("resume.in-place")
+        following = decide_outcome(
+            resumed,
+            outcome,
+            now=flows.clock(),
+            default_timeout=flows.default_timeout(spec),
+            max_timeout=flows.settings.max_call_duration,
+        )
+    except InvalidTransition as error:
+        # an outcome that can never be recorded: retrying cannot help (as on the resume path)
+        log.error(
+            "task %s failed for good: its run resumed in place gave %s",
+            state.task_id,
+            error_of(error),
+        )
+        return Extension(
+            [*events, *decide_failure(resumed, error_of(error))],
+            checkpoint_started=None,
+            resumed_at=decided_at,
+        )
+    except Exception as error:
+        log.warning(
+            "task %s: the resumed handler raised %s; a resume message retries it",
+            state.task_id,
+            error_of(error),
+        )
+        flows.observer.count("resumes_handed_over")
+        return Extension(events, checkpoint_started=None, resumed_at=None, failed_runs=1)
+    return Extension(
+        [*events, *following],
+        checkpoint_started=returned_at if isinstance(outcome, Pause) else None,
+        resumed_at=decided_at,
+    )
+
+
+async def record_unroutable(flows: Flows, task_id: str, subtask: str, queue: str) -> None:
+    """A peer request nobody can receive fails its call at once instead of at its deadline."""
+    error = {"type": "unroutable", "message": f"no queue {queue!r} for this call"}
+    await flows.recorder.append_decision(
+        task_id,
+        lambda state: decide_reply(state, subtask, outcome="error", error=error),
+        key=lambda _: f"reply:{subtask}",
+        cause=Cause(message_id=f"unroutable:{subtask}"),
+        step="reply",
+    )

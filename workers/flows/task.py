@@ -1,0 +1,109 @@
+"""A task message: run the agent's handler, then record its outcome (DESIGN.md §5, "Task").
+
+A task that completes without calling peers writes nothing (G10): its result is the only effect.
+A pause appends ``TaskStarted`` and ``TaskPaused`` in one statement, whose outbox rows are the
+peer requests (G5: published only after the checkpoint committed). A handler that raises is
+retried by redelivery up to the delivery limit, then recorded as failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from events import Complete, Pause, TaskStarted, TaskState, VersionConflict, decide_outcome
+
+from ..agent import AgentSpec, TaskContext
+from ..broker import Delivery
+from ..recorder import Cause
+from ..settle import Settled, ack, dead
+from ..wire import HEADER_ROOT, HEADER_TRACE, ResultEnvelope, result_message, trace_id_of
+from .base import Flows
+
+__all__ = ["handle_task"]
+
+log = logging.getLogger(__name__)
+
+
+async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload: Any) -> Settled:
+    task_id = delivery.message_id
+    if not task_id:
+        return dead(
+            "missing-property", "a task needs a message_id (its task id)", tell_publisher=True
+        )
+    if delivery.redelivered and (await flows.recorder.load(task_id)).exists:
+        log.info("task %s redelivered after it was recorded; acking", task_id)
+        flows.observer.duplicate("redelivered_recognised")
+        return ack()
+    trace_id = trace_id_of(delivery.headers, task_id)
+    root_id = str(delivery.headers.get(HEADER_ROOT) or task_id)
+    state = TaskState(
+        task_id=task_id,
+        agent=spec.name,
+        input=payload,
+        reply_to=delivery.reply_to,
+        correlation_id=delivery.correlation_id,
+        trace_id=trace_id,
+        root_id=root_id,
+    )
+    start = TaskStarted(
+        agent=spec.name,
+        input=payload,
+        reply_to=delivery.reply_to,
+        correlation_id=delivery.correlation_id,
+    )
+    context = TaskContext(
+        task_id=task_id, agent=spec.name, input=payload, trace_id=trace_id, root_task_id=root_id
+    )
+    try:
+        outcome = await flows.run_handler(spec, context)
+        returned_at = time.perf_counter()
+        events = decide_outcome(
+            state,
+            outcome,
+            now=flows.clock(),
+            default_timeout=flows.default_timeout(spec),
+            start=start,
+            record_completion=flows.settings.audit_all_tasks,
+            max_timeout=flows.settings.max_call_duration,
+        )
+    except Exception as error:
+        return await flows.handler_failed(delivery, state, error, start=start)
+    if not events:
+        # completed without peers: nothing to record (G10); the answer is the only effect
+        assert isinstance(outcome, Complete)
+        if delivery.reply_to:
+            envelope = ResultEnvelope("ok", result=outcome.result, task_id=task_id)
+            await flows.broker.publish(
+                result_message(
+                    task_id,
+                    delivery.reply_to,
+                    delivery.correlation_id,
+                    envelope,
+                    {HEADER_ROOT: root_id, HEADER_TRACE: trace_id},
+                )
+            )
+        flows.observer.count("tasks_completed_unrecorded")
+        return ack()
+    try:
+        await flows.recorder.commit(
+            state, events, "run", Cause.of(delivery), step="pause", history=[]
+        )
+    except VersionConflict:
+        return await _already_recorded(flows, delivery, task_id)
+    return ack(returned_at if isinstance(outcome, Pause) else None)
+
+
+async def _already_recorded(flows: Flows, delivery: Delivery, task_id: str) -> Settled:
+    """The task's stream exists: another delivery recorded it first, or it was cancelled."""
+    state = await flows.recorder.load(task_id)
+    if state.status == "cancelled" and state.agent is None and delivery.reply_to:
+        # cancelled before its first run was recorded: only this message knows its publisher
+        envelope = ResultEnvelope("cancelled", error=state.error, task_id=task_id)
+        await flows.broker.publish(
+            result_message(task_id, delivery.reply_to, delivery.correlation_id, envelope)
+        )
+    log.info("task %s is already recorded (%s); acking", task_id, state.status)
+    flows.observer.duplicate("duplicate_tasks")
+    return ack()

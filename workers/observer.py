@@ -1,0 +1,116 @@
+"""What a worker tells about itself: one interface for its counters and its Prometheus metrics.
+
+Every path of the worker reports to an :class:`Observer` once (``observer.dead_letter(reason)``)
+instead of bumping a counter and a metric side by side. The observer keeps the plain counters a
+test or a benchmark reads (:class:`WorkerStats`, written to ``WAYSTATION_STATS_FILE`` when the
+worker stops) and updates the Prometheus series (``workers.metrics``).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from events import DomainEvent
+
+from .metrics import Metrics
+
+__all__ = ["FINISHED", "Observer", "WorkerStats"]
+
+FINISHED = {"TaskCompleted": "completed", "TaskFailed": "failed", "TaskCancelled": "cancelled"}
+"""Terminal event types, and the status each one gives a task."""
+
+CHECKPOINT_SAMPLES = 100_000
+"""Checkpoint latencies kept for the stats file (the most recent; the histogram has them all)."""
+
+
+@dataclass
+class WorkerStats:
+    """Counters, and the most recent checkpoint latencies, that a test or a benchmark reads."""
+
+    counters: dict[str, int] = field(default_factory=dict)
+    checkpoint_seconds: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=CHECKPOINT_SAMPLES)
+    )
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def to_json(self) -> dict[str, Any]:
+        return {"counters": self.counters, "checkpoint_seconds": list(self.checkpoint_seconds)}
+
+
+class Observer:
+    """Counts what a worker does, in its stats and its metrics at once."""
+
+    def __init__(self, metrics: Metrics | None = None, stats: WorkerStats | None = None) -> None:
+        self.metrics = metrics or Metrics()
+        self.stats = stats or WorkerStats()
+
+    def count(self, name: str, n: int = 1) -> None:
+        """A counter of the stats alone (no metric of its own)."""
+        self.stats.count(name, n)
+
+    # ---- messages ------------------------------------------------------------------------------
+
+    def started(self) -> None:
+        self.metrics.in_flight.inc()
+
+    def finished(self) -> None:
+        self.metrics.in_flight.dec()
+
+    def handled(self, agent: str, kind: str, disposition: str) -> None:
+        self.metrics.messages.labels(agent, kind, disposition).inc()
+
+    def settled(self, disposition: str, checkpoint_seconds: float | None) -> None:
+        self.stats.count(f"settled_{disposition}")
+        if checkpoint_seconds is not None:
+            self.stats.checkpoint_seconds.append(checkpoint_seconds)
+            self.metrics.checkpoint.observe(checkpoint_seconds)
+
+    def dead_letter(self, reason: str) -> None:
+        self.stats.count(f"dead_letter.{reason}")
+        self.metrics.dead_letters.labels(reason).inc()
+
+    def duplicate(self, what: str) -> None:
+        """A redelivery or re-run recognised as already recorded; ``what`` names the case."""
+        self.stats.count(what)
+        self.metrics.duplicates.inc()
+
+    def outage(self, service: str) -> None:
+        self.stats.count(f"{'store' if service == 'database' else service}_unavailable")
+        self.metrics.outages.labels(service).inc()
+
+    def unreadable(self) -> None:
+        self.metrics.unreadable.inc()
+
+    # ---- the log ------------------------------------------------------------------------------
+
+    def appended(self, agent: str | None, events: Sequence[DomainEvent]) -> None:
+        self.stats.count("events_appended", len(events))
+        for event in events:
+            self.metrics.events_appended.labels(event.event_type).inc()
+            status = FINISHED.get(event.event_type)
+            if status is not None:
+                self.metrics.tasks_finished.labels(agent or "?", status).inc()
+
+    def version_conflict(self) -> None:
+        self.stats.count("version_conflicts")
+        self.metrics.version_conflicts.inc()
+
+    def resumed_in_place(self, seconds: float) -> None:
+        self.stats.count("resumed_in_place")
+        self.metrics.resume.observe(seconds)
+
+    def resumed(self, seconds: float) -> None:
+        self.metrics.resume.observe(seconds)
+
+    def timeout(self, agent: str) -> None:
+        self.stats.count("timeouts")
+        self.metrics.timeouts.labels(agent).inc()
+
+    def relayed(self, count: int) -> None:
+        self.stats.count("outbox_relayed", count)
+        self.metrics.outbox_relayed.inc(count)

@@ -1,0 +1,326 @@
+"""Recording decisions: read a task's stream, decide, append, and hand on what the append implies.
+
+Every flow of the worker records through a :class:`Recorder`: it folds the stream into the task's
+state, asks the flow's pure ``decide`` function (``events.task``) for the events, and appends them
+with the messages they imply (G4) in one statement, at the version it read. A conflict (another
+writer appended first) means read and decide again. Event ids derive from what caused them, so
+a redelivery's or a re-run's append finds its events already there and writes nothing
+(``AppendResult.duplicate``).
+
+Two things spare reads: within a worker one lock per stream makes a parent's replies take turns
+instead of conflicting (:class:`StreamLocks`), and the worker keeps the streams it appended to last
+(:class:`StreamCache`), deciding from that copy first; a stale copy only costs a conflict, since
+the append checks the version and the hash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from events import (
+    DomainEvent,
+    EventMetadata,
+    EventStore,
+    NewEvent,
+    RecordedEvent,
+    TaskFailed,
+    TaskState,
+    VersionConflict,
+    event_id,
+    fold,
+)
+
+from .broker import Delivery
+from .faults import FaultPlan
+from .logs import add_to_context
+from .observer import FINISHED, Observer
+from .outbox import OutboxPublisher
+from .wire import Names, implied_messages, with_prior_attempts
+
+__all__ = [
+    "MAX_CONFLICT_RETRIES",
+    "Applied",
+    "Cause",
+    "Extension",
+    "Recorder",
+    "StreamCache",
+    "StreamLocks",
+    "UnreadableStream",
+]
+
+log = logging.getLogger(__name__)
+
+MAX_CONFLICT_RETRIES = 50
+
+
+class UnreadableStream(Exception):
+    """A task's stream holds events this worker cannot read (a newer version wrote them)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Cause:
+    """What made the worker append: recorded as the events' causation and actor."""
+
+    message_id: str | None = None
+    amqp_user: str | None = None
+
+    @classmethod
+    def of(cls, delivery: Delivery) -> Cause:
+        return cls(delivery.message_id or delivery.correlation_id, delivery.user_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    state: TaskState
+    """The state the decision was taken on."""
+    events: list[DomainEvent]
+    """What was appended; [] when there was nothing to do."""
+    checkpoint_started: float | None = None
+    """perf_counter() when a handler run in place returned a pause."""
+
+
+@dataclass(frozen=True, slots=True)
+class Extension:
+    """What an ``extend`` hook adds to a decision: the events to append instead, with when the
+    handler that produced them returned a pause and when the resume was decided."""
+
+    events: list[DomainEvent]
+    checkpoint_started: float | None
+    resumed_at: float | None
+    """None when the run in place failed (the decision goes on by resume message)."""
+    failed_runs: int = 0
+
+
+Extend = Callable[[TaskState, list[RecordedEvent], list[DomainEvent]], Awaitable[Extension | None]]
+
+
+class StreamLocks:
+    """One lock per task stream within this worker.
+
+    A parent's replies arrive together; without this, the ones this worker takes race each other
+    to the same stream version and all but one conflict and re-read. With it they take turns,
+    and conflicts remain only between workers (where the version check settles them).
+    """
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, stream_id: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(stream_id, (asyncio.Lock(), 0))
+        self._locks[stream_id] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[stream_id]
+            if users == 1:
+                del self._locks[stream_id]
+            else:
+                self._locks[stream_id] = (lock, users - 1)
+
+
+class StreamCache:
+    """The streams this worker appended to last, as they were after its append (bounded, LRU).
+
+    The next decision on such a stream (a reply landing on the worker that paused the task, or
+    on the one that recorded the previous reply) starts from this copy instead of reading the
+    stream again. The copy may be stale, when another worker appended since: then the append,
+    which checks the expected version and hash, fails with a conflict and the stream is read.
+    An entry is taken out when used, so a failed attempt never sees it again.
+    """
+
+    def __init__(self, size: int = 1024) -> None:
+        self._size = size
+        self._streams: collections.OrderedDict[str, list[RecordedEvent]] = collections.OrderedDict()
+
+    def put(self, stream_id: str, events: list[RecordedEvent], *, finished: bool) -> None:
+        self._streams.pop(stream_id, None)
+        if finished:
+            return  # nothing more is decided on it but late replies, which read it
+        self._streams[stream_id] = events
+        if len(self._streams) > self._size:
+            self._streams.popitem(last=False)
+
+    def take(self, stream_id: str) -> list[RecordedEvent] | None:
+        return self._streams.pop(stream_id, None)
+
+
+class Recorder:
+    """Reads, decides and appends for one worker; hands committed messages to the outbox."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        names: Names,
+        outbox: OutboxPublisher,
+        observer: Observer,
+        *,
+        worker_id: str,
+        clock: Callable[[], float],
+        outbox_delay: float,
+        faults: FaultPlan,
+    ) -> None:
+        self.store = store
+        self.names = names
+        self.outbox = outbox
+        self.observer = observer
+        self.worker_id = worker_id
+        self.clock = clock
+        self.outbox_delay = outbox_delay
+        self.faults = faults
+        self.locks = StreamLocks()
+        self.cache = StreamCache()
+
+    async def load(self, task_id: str) -> TaskState:
+        return (await self.load_events(task_id))[0]
+
+    async def load_events(
+        self, task_id: str, *, cached: bool = False
+    ) -> tuple[TaskState, list[RecordedEvent]]:
+        recorded = self.cache.take(task_id) if cached else None
+        if recorded is None:
+            recorded = await self.store.read_stream(task_id)
+        else:
+            self.observer.count("stream_cache_hits")
+        state = fold(task_id, recorded)
+        add_to_context(task_id=task_id, trace_id=state.trace_id)
+        if state.unreadable:
+            # deciding on part of the story could contradict what the unread events say
+            raise UnreadableStream(f"task {task_id}: cannot read {', '.join(state.unreadable)}")
+        return state, recorded
+
+    def metadata(self, state: TaskState, cause: Cause) -> EventMetadata:
+        return EventMetadata(
+            worker_id=self.worker_id,
+            amqp_user=cause.amqp_user,
+            causation_id=cause.message_id,
+            correlation_id=state.root_id or state.task_id,
+            trace_id=state.trace_id,
+            occurred_at=self.clock(),
+            deployment=self.names.prefix,
+        )
+
+    async def append_decision(
+        self,
+        task_id: str,
+        decide: Callable[[TaskState], list[DomainEvent]],
+        *,
+        key: Callable[[list[DomainEvent]], str],
+        cause: Cause,
+        step: str,
+        describe_new: Callable[[TaskState], TaskState] | None = None,
+        extend: Extend | None = None,
+    ) -> Applied:
+        """Read, decide, append; on a conflict (or when the same decision was already recorded
+        by someone else) read and decide again. Returns the state decided on and the events
+        appended ([] when there was nothing to do).
+
+        A decision is recorded under its causation key, so the same key gives the same event ids:
+        when a fresh decision comes back with the key whose events were just found in the log,
+        it is recorded already (a redelivered ignored reply, a progress report seen twice), and
+        committing it again would only find them again, forever.
+
+        ``extend`` may add to a decision before it is appended (the resumed run's outcome, see
+        ``workers.flows.reply``); it runs again with every re-decision."""
+        async with self.locks.hold(task_id):
+            found: str | None = None
+            cached = True
+            for _ in range(MAX_CONFLICT_RETRIES):
+                # first from what this worker last wrote to the stream, if it is still cached:
+                # a stale copy only costs a conflict, since the append checks the version
+                state, history = await self.load_events(task_id, cached=cached)
+                cached = False
+                events = decide(state)
+                if not events:
+                    return Applied(state, [])
+                causation = key(events)
+                if causation == found:
+                    return Applied(state, [])
+                extension = await extend(state, history, events) if extend else None
+                if extension is not None:
+                    events = extension.events
+                described = state if state.exists or describe_new is None else describe_new(state)
+                try:
+                    recorded = await self.commit(
+                        described,
+                        events,
+                        causation,
+                        cause,
+                        step=step,
+                        resume_attempts=extension.failed_runs if extension else 0,
+                        history=history,
+                    )
+                except VersionConflict:
+                    self.observer.version_conflict()
+                    continue
+                if recorded:
+                    if extension is None or extension.resumed_at is None:
+                        return Applied(state, events)
+                    if isinstance(events[-1], TaskFailed):
+                        self.observer.count("tasks_failed")
+                    log.debug("resumed in place from pause %d", state.pause)
+                    self.observer.resumed_in_place(max(0.0, self.clock() - extension.resumed_at))
+                    return Applied(state, events, extension.checkpoint_started)
+                found = causation
+        raise RuntimeError(f"{step} on {task_id}: gave up after {MAX_CONFLICT_RETRIES} conflicts")
+
+    async def commit(
+        self,
+        state: TaskState,
+        events: Sequence[DomainEvent],
+        causation_key: str,
+        cause: Cause,
+        *,
+        step: str,
+        resume_attempts: int = 0,
+        history: list[RecordedEvent] | None = None,
+    ) -> bool:
+        """Append and publish; False when the events were already recorded (nothing done).
+
+        ``resume_attempts``: runs of the resumed handler that already failed in place; the resume
+        message carries the count, so that the retries stay within the delivery limit.
+        ``history``: the stream's events ``state`` was folded from; the stream as it is after
+        this append is then cached for the next decision on it (:class:`StreamCache`)."""
+        metadata = self.metadata(state, cause)
+        new_events = [
+            NewEvent.of(event_id(state.task_id, causation_key, index), event, metadata)
+            for index, event in enumerate(events)
+        ]
+        messages = implied_messages(self.names, state, events)
+        if resume_attempts:
+            messages = [with_prior_attempts(m, resume_attempts) for m in messages]
+        result = await asyncio.shield(
+            self.store.append(
+                state.task_id,
+                state.version,
+                new_events,
+                prev_hash=state.last_hash,
+                outbox=messages,
+                outbox_delay=self.outbox_delay,
+            )
+        )
+        if history is not None and not result.duplicate:
+            self.cache.put(
+                state.task_id,
+                [*history, *result.recorded],
+                finished=any(event.event_type in FINISHED for event in events),
+            )
+        if result.duplicate:
+            # recorded before (a redelivery or a re-run): its messages are the relay's to publish
+            self.observer.duplicate("duplicate_appends")
+            return False
+        self.observer.appended(state.agent, events)
+        self.faults.hit(f"{step}.committed")
+        if messages:
+            # committed, so the outbox holds them (G4): send now, and let their confirms arrive
+            # while this delivery is acked and the next one handled
+            self.outbox.send_committed(state.task_id, result.outbox_ids, messages)
+            await asyncio.sleep(0)  # let it hand its frames to the connection first
+        self.faults.hit(f"{step}.published")
+        return True

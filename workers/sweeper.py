@@ -1,0 +1,77 @@
+"""The deadline sweeper: every worker records a timeout for each call past its deadline (G6).
+
+Each sweep leases expired pending calls of this deployment with ``FOR UPDATE SKIP LOCKED`` (so
+two sweepers never take the same call at once) and records each timeout through the same
+read-decide-append path as a reply: whichever of the two is appended first claims the call, and
+the version check makes the other one harmless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from events import EventStore, ExpiredCall, decide_timeout
+
+from .logs import log_context
+from .observer import Observer
+from .recorder import Cause, Recorder, UnreadableStream
+
+__all__ = ["DeadlineSweeper"]
+
+log = logging.getLogger(__name__)
+
+SWEEP_BATCH = 100
+SWEEP_LEASE = 30.0
+
+
+class DeadlineSweeper:
+    def __init__(
+        self,
+        store: EventStore,
+        recorder: Recorder,
+        observer: Observer,
+        *,
+        deployment: str,
+        interval: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.store = store
+        self.recorder = recorder
+        self.observer = observer
+        self.deployment = deployment
+        self.interval = interval
+        self.clock = clock
+
+    async def run(self) -> None:
+        while True:
+            try:
+                expired = await self.store.claim_expired_calls(
+                    limit=SWEEP_BATCH, lease=SWEEP_LEASE, deployment=self.deployment
+                )
+                for call in expired:
+                    try:
+                        await self.record_timeout(call)
+                    except UnreadableStream as error:
+                        # its lease runs out and a (newer) worker's sweep takes it again
+                        log.warning("deadline sweep: %s", error)
+                        self.observer.unreadable()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                log.warning("deadline sweep: %s", error)
+            await asyncio.sleep(self.interval)
+
+    async def record_timeout(self, call: ExpiredCall) -> None:
+        with log_context(task_id=call.task_id, subtask_id=call.subtask_id):
+            applied = await self.recorder.append_decision(
+                call.task_id,
+                lambda state: decide_timeout(state, call.subtask_id, now=self.clock()),
+                key=lambda _: f"timeout:{call.subtask_id}",
+                cause=Cause(message_id=f"deadline:{call.subtask_id}"),
+                step="timeout",
+            )
+            if applied.events:
+                log.info("call %s to %s timed out", call.subtask_id, call.agent)
+                self.observer.timeout(call.agent)
