@@ -34,10 +34,9 @@ def run(coroutine: Coroutine[Any, Any, T]) -> T:
     """Run a command's coroutine to completion, on uvloop where it is installed."""
     try:
         import uvloop
-
-        return uvloop.run(coroutine)
     except ImportError:
         return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
 
 
 def open_store(settings: Settings) -> PostgresEventStore:
