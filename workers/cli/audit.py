@@ -53,10 +53,10 @@ def verify(task_id: str | None, export_file: Path | None, as_json: bool) -> None
         sys.exit(_verify_file(export_file, task_id, as_json))
     from projections.audit import verify_stream
 
-    streams = run(_read_streams(load_settings(), task_id))
-    if task_id is not None and not streams[task_id]:
-        click.echo(f"task {task_id!r} is not in the event log", err=True)
-        sys.exit(2)
+    if task_id is not None:
+        streams = {task_id: _read_task(task_id)}
+    else:
+        streams = run(_read_streams(load_settings()))
     problems = [p for events in streams.values() for p in verify_stream(events)]
     counted = sum(len(events) for events in streams.values())
     if as_json:
@@ -130,10 +130,7 @@ def history(task_id: str, as_json: bool) -> None:
     """
     from projections.audit import pauses, timeline
 
-    events = run(_read_streams(load_settings(), task_id))[task_id]
-    if not events:
-        click.echo(f"task {task_id!r} is not in the event log", err=True)
-        sys.exit(2)
+    events = _read_task(task_id)
     entries = timeline(events)
     spans = pauses(events)
     if as_json:
@@ -321,13 +318,16 @@ def state(task_id: str, at_position: int | None, at_time: datetime | None, as_js
 
     if at_position is not None and at_time is not None:
         raise click.UsageError("give --at-position or --at, not both")
-    events = run(_read_streams(load_settings(), task_id))[task_id]
-    if not events:
-        click.echo(f"task {task_id!r} is not in the event log", err=True)
-        sys.exit(2)
+    events = _read_task(task_id)
     past = state_as_of(task_id, events, position=at_position, at=at_time)
+    point = (
+        f"position {at_position}"
+        if at_position is not None
+        else _utc(at_time)
+        if at_time is not None
+        else "now"
+    )
     if past.last_event is None:
-        point = f"position {at_position}" if at_position is not None else _utc(at_time)
         first = events[0]
         click.echo(
             f"task {task_id!r} has no event at or before {point} (its first is at position "
@@ -339,13 +339,6 @@ def state(task_id: str, at_position: int | None, at_time: datetime | None, as_js
         click.echo(dumps(past.to_json()).decode())
         return
     shown, last = past.state, past.last_event
-    point = (
-        f"position {at_position}"
-        if at_position is not None
-        else _utc(at_time)
-        if at_time is not None
-        else "now"
-    )
     click.echo(
         f"task {task_id} as of {point}: {shown.version} of {len(events)} events, the last "
         f"v{last.stream_version} {last.event_type} at position {last.global_position}, "
@@ -375,7 +368,18 @@ def _utc(moment: datetime | None) -> str:
     return moment.astimezone(UTC).isoformat() if moment is not None else "?"
 
 
-async def _read_streams(settings: Settings, task_id: str | None) -> dict[str, list[RecordedEvent]]:
+def _read_task(task_id: str) -> list[RecordedEvent]:
+    """TASK_ID's events; a task that is not in the log ends the command with exit code 2."""
+    events = run(_read_streams(load_settings(), task_id))[task_id]
+    if not events:
+        click.echo(f"task {task_id!r} is not in the event log", err=True)
+        sys.exit(2)
+    return events
+
+
+async def _read_streams(
+    settings: Settings, task_id: str | None = None
+) -> dict[str, list[RecordedEvent]]:
     from projections.audit import read_streams
 
     store = open_store(settings)
