@@ -65,4 +65,5 @@ main.add_command(audit.export)
 main.add_command(audit.state)
 main.add_command(admin.db)
 main.add_command(admin.projections_group)
+# a long-running process like `worker`, so it lives in serve; the group it belongs to is admin's
 admin.projections_group.add_command(serve.run_projections)
