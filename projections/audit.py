@@ -1,4 +1,5 @@
-"""Audit of the event log: verify a stream, and read it as a timeline. Pure functions, no I/O.
+"""Audit of the event log: verify a stream, and read it as a timeline. Pure functions, but for
+``read_streams``, which reads the log through the store's port.
 
 ``verify_stream`` checks one task's stream as the log holds it: contiguous versions from 1, the
 hash chain (each ``prev_hash`` links to the event before, each ``hash`` matches the content), and
@@ -15,6 +16,8 @@ invariants checked, but their content hash cannot be recomputed: it covers the s
 ``timeline`` turns the stream into one readable entry per event, with how long each pause lasted.
 
 ``state_as_of`` is what ``events.task.fold`` said about a task at a past position or time.
+
+``read_streams`` gives the audit its input: one task's stream, or every stream of the log.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from events.model import (
     UnknownEvent,
     parse,
 )
+from events.store import EventStore, Position
 from events.task import TaskState, fold
 
 __all__ = [
@@ -50,6 +54,7 @@ __all__ = [
     "Problem",
     "TimelineEntry",
     "pauses",
+    "read_streams",
     "state_as_of",
     "timeline",
     "verify_stream",
@@ -454,3 +459,24 @@ def state_as_of(
         position=position,
         at=at,
     )
+
+
+# ---- reading the log -----------------------------------------------------------------------------
+
+
+async def read_streams(
+    store: EventStore, task_id: str | None = None, *, page_size: int = 1000
+) -> dict[str, list[RecordedEvent]]:
+    """The events of one task (an empty list when it is not in the log), or of the whole log,
+    read page by page in commit order, by stream, each stream in version order."""
+    if task_id is not None:
+        return {task_id: await store.read_stream(task_id)}
+    streams: dict[str, list[RecordedEvent]] = {}
+    after = Position()
+    while batch := await store.read_all(after, limit=page_size):
+        for event in batch:
+            streams.setdefault(event.stream_id, []).append(event)
+        after = Position.of(batch[-1])
+    for events in streams.values():
+        events.sort(key=lambda e: e.stream_version)
+    return streams

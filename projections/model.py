@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from typing import Any
 
 __all__ = [
     "UNKNOWN_AGENT",
@@ -153,6 +154,19 @@ class AgentCounts:
         if not self.pauses_resumed:
             return None
         return self.pause_microseconds / self.pauses_resumed / 1e6
+
+    def to_json(self) -> dict[str, Any]:
+        """The totals as ``waystation status --json`` shows them (the mean, not the sum, of
+        the pauses)."""
+        return {
+            "completed": self.completed,
+            "failed": self.failed,
+            "cancelled": self.cancelled,
+            "paused_now": self.paused_now,
+            "timeouts": self.timeouts,
+            "pauses_resumed": self.pauses_resumed,
+            "mean_pause_seconds": self.mean_pause_seconds,
+        }
 
 
 def _microseconds(start: datetime, end: datetime) -> int:

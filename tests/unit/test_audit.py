@@ -28,7 +28,8 @@ from events import (
 )
 from events.chain import recorded_events
 from events.codec import GENESIS_HASH
-from projections.audit import Problem, pauses, timeline, verify_stream
+from events.memory import InMemoryEventStore
+from projections.audit import Problem, pauses, read_streams, timeline, verify_stream
 
 TASK = "t"
 START = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
@@ -241,3 +242,28 @@ def test_timeline_names_timeouts_ignored_replies_and_open_pauses() -> None:
     assert summaries[5] == "paused #2 calling researcher ×2 (deadline in 300 s)"
     assert summaries[6] == f"ignored late ok reply for {TASK}:1:0"
     assert [s.seconds for s in pauses(stream)] == [0.03, None]
+
+
+async def test_read_streams_gives_each_stream_of_the_log_whole_and_in_version_order() -> None:
+    store = InMemoryEventStore()
+    heads = {"a": GENESIS_HASH, "b": GENESIS_HASH}
+    versions = {"a": 0, "b": 0}
+    # interleaved commits, so a page of the log holds parts of both streams
+    for index, stream_id in enumerate(["a", "b", "a", "a", "b"]):
+        new = NewEvent.of(
+            event_id(stream_id, "test", index), TaskStarted(agent="x", input=index), EventMetadata()
+        )
+        appended = await store.append(
+            stream_id, versions[stream_id], [new], prev_hash=heads[stream_id]
+        )
+        heads[stream_id], versions[stream_id] = appended.last_hash, appended.version
+
+    streams = await read_streams(store, page_size=2)
+
+    assert {s: [e.stream_version for e in events] for s, events in streams.items()} == {
+        "a": [1, 2, 3],
+        "b": [1, 2],
+    }
+    assert all(verify_stream(events) == [] for events in streams.values())
+    assert [e.stream_version for e in (await read_streams(store, "b"))["b"]] == [1, 2]
+    assert await read_streams(store, "not-in-the-log") == {"not-in-the-log": []}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from pathlib import Path
 
 import click
@@ -66,6 +67,20 @@ def test_the_dockerfile_copies_every_package_it_installs() -> None:
         assert (root / source).exists(), source
     for package in ("events", "workers", "projections", "migrations"):
         assert f"COPY {package} " in dockerfile
+
+
+def test_the_image_installs_every_package_of_the_source_tree() -> None:
+    """``pip install .`` installs only the packages pyproject lists, subpackages included."""
+    root = COMPOSE.parent
+    listed = set(
+        tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(init.parent.relative_to(root).parts)
+        for top in ("events", "workers", "projections", "migrations")
+        for init in (root / top).rglob("__init__.py")
+    }
+    assert found - listed == set(), "packages missing from [tool.setuptools] packages"
 
 
 def _cli_variables() -> set[str]:

@@ -1,0 +1,6 @@
+"""``python -m workers.cli``: the ``waystation`` command without its console script."""
+
+from . import main
+
+if __name__ == "__main__":
+    main()

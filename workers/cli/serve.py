@@ -1,0 +1,174 @@
+"""The long-running processes: ``worker`` and ``projections run``.
+
+Both run until SIGTERM or SIGINT, serve /metrics and /healthz, put the worker id on every log
+line, and end with a clear line and exit 1 when the metrics port is taken. ``projections run``
+is registered under the ``projections`` group (see the package), but lives here for that shared
+harness rather than with the one-shot ``projections`` commands in ``admin``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import signal
+import sys
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from .wiring import load_settings, projection_engine, run
+
+if TYPE_CHECKING:
+    from ..settings import Settings
+
+__all__ = ["run_projections", "worker"]
+
+log = logging.getLogger("waystation")
+
+
+@click.command()
+@click.option(
+    "--app",
+    "app_path",
+    default="workers.example:app",
+    show_default=True,
+    help="The app to serve, as module:attribute.",
+)
+@click.option("--concurrency", type=int, help="Messages handled at once per queue.")
+def worker(app_path: str, concurrency: int | None) -> None:
+    """Run a worker serving every agent of the app until SIGTERM or SIGINT.
+
+    Migrates the database first (creating it if needed), declares the queues, and applies the
+    delivery-limit policy. On a signal it stops consuming, lets in-flight messages reach their
+    next commit within WAYSTATION_SHUTDOWN_GRACE seconds, and exits 0.
+    """
+    settings = load_settings(concurrency=concurrency)
+    app = _load_app(app_path)
+    _log_as_worker(settings.worker_id)
+    _run_service(_serve(app, settings))
+
+
+@click.command(name="run")
+def run_projections() -> None:
+    """Keep every projection up to date until SIGTERM or SIGINT.
+
+    Run it in as many instances as you like: per projection one instance is active (an
+    advisory lock) and the others take over within WAYSTATION_PROJECTION_STANDBY_INTERVAL
+    seconds when it goes. Migrates the database first.
+    """
+    settings = load_settings()
+    _log_as_worker(settings.worker_id)
+    _run_service(_run_projections(settings))
+
+
+def _load_app(path: str) -> Any:
+    module_name, _, attribute = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attribute or "app")
+    except (ImportError, AttributeError) as error:
+        raise click.BadParameter(
+            f"cannot load app {path!r}: {error}", param_hint="--app"
+        ) from error
+
+
+def _log_as_worker(worker_id: str) -> None:
+    """Put the worker id on every log line of this process from now on."""
+    from ..logs import configure_logging
+
+    options = click.get_current_context().find_root().obj or {}
+    configure_logging(
+        options.get("log_level", "INFO"), options.get("log_format", "auto"), worker_id=worker_id
+    )
+
+
+def _run_service(coroutine: Coroutine[Any, Any, None]) -> None:
+    """Run a long-lived process; a port it cannot listen on ends it with a clear line, exit 1."""
+    from ..metrics import MetricsPortUnavailable
+
+    try:
+        run(coroutine)
+    except MetricsPortUnavailable as error:
+        log.error("%s", error.strerror)
+        sys.exit(1)
+
+
+def _stop_on_signal() -> asyncio.Event:
+    """An event the first SIGTERM or SIGINT sets: the process stops in order, not mid-commit."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    return stop
+
+
+async def _serve(app: Any, settings: Settings) -> None:
+    import migrations
+    from events.postgres import PostgresEventStore
+
+    from ..metrics import HttpServer, Metrics, database_gauges
+    from ..runtime import Worker
+
+    metrics = Metrics()
+    await migrations.upgrade(settings.database_url)
+    store = PostgresEventStore.from_url(settings.database_url, pool_size=settings.db_pool_size)
+    instance = Worker(app, settings, store, metrics=metrics)
+    server = HttpServer(
+        metrics,
+        instance.health,
+        host=settings.metrics_host,
+        port=settings.metrics_port,
+        refresh=lambda: database_gauges(metrics, store),
+    )
+    stop = _stop_on_signal()
+    try:
+        await server.start()
+        await instance.start()
+        await stop.wait()
+        log.info("stopping")
+    finally:
+        await instance.stop()
+        await server.stop()
+        await store.close()
+
+
+async def _run_projections(settings: Settings) -> None:
+    import migrations
+    from projections.postgres import ProjectionRunner
+
+    from ..metrics import Health, HttpServer, Metrics, projection_gauges
+
+    await migrations.upgrade(settings.database_url)
+    engine = projection_engine(settings)
+    runner = ProjectionRunner(
+        engine,
+        batch_size=settings.projection_batch_size,
+        poll_interval=settings.projection_poll_interval,
+        standby_interval=settings.projection_standby_interval,
+    )
+    metrics = Metrics()
+
+    async def health() -> Health:
+        from sqlalchemy import text
+
+        async with engine.connect() as connection:
+            await connection.execute(text("SELECT 1"))
+        return Health(True, {"worker_id": settings.worker_id, "database": True})
+
+    server = HttpServer(
+        metrics,
+        health,
+        host=settings.metrics_host,
+        port=settings.metrics_port,
+        refresh=lambda: projection_gauges(metrics, engine),
+    )
+    stop = _stop_on_signal()
+    await server.start()
+    log.info("projection runner %s started", settings.worker_id)
+    try:
+        await runner.run(stop)
+    finally:
+        await server.stop()
+        await engine.dispose()
+    log.info("projection runner stopped")

@@ -1,0 +1,279 @@
+"""Commands about tasks: submit and cancel them, the dead letters, the paused tasks, the agents.
+
+``submit`` and ``cancel`` talk to the workers through the broker, as a publisher does;
+``tasks`` and ``status`` read the projections.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from events.codec import dumps, loads
+
+from .admin import print_projection_status
+from .wiring import load_settings, open_store, run, with_projection_engine
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from projections.model import AgentCounts
+    from projections.postgres import ProjectionStatus
+
+    from ..deadletters import DeadLetter
+    from ..settings import Settings
+
+__all__ = ["cancel", "dead_letters", "list_paused_tasks", "status", "submit"]
+
+
+@click.command()
+@click.argument("agent")
+@click.argument("input_json", default="null")
+@click.option("--task-id", help="Task id (default: a new UUID). Resubmitting an id is idempotent.")
+@click.option("--wait/--no-wait", default=True, show_default=True, help="Wait for the result.")
+@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds to wait.")
+@click.option(
+    "--trace-id",
+    help="Trace id the task and all its peer calls carry (default: the task id). Shows in "
+    "the events' metadata, the workers' logs and `history`.",
+)
+def submit(
+    agent: str,
+    input_json: str,
+    task_id: str | None,
+    wait: bool,
+    timeout: float,
+    trace_id: str | None,
+) -> None:
+    """Submit a task to AGENT with INPUT_JSON and print its result as JSON.
+
+    Exit codes: 0 the task completed ok, 1 it completed with an error, 2 bad input,
+    3 no result within --timeout.
+    """
+    try:
+        payload = loads(input_json)
+    except Exception as error:
+        raise click.BadParameter(f"not JSON: {error}", param_hint="INPUT_JSON") from error
+    settings = load_settings()
+    code = run(_submit(settings, agent, payload, task_id, wait, timeout, trace_id))
+    sys.exit(code)
+
+
+async def _submit(
+    settings: Settings,
+    agent: str,
+    payload: Any,
+    task_id: str | None,
+    wait: bool,
+    timeout: float,
+    trace_id: str | None,
+) -> int:
+    from ..client import Client
+
+    async with Client(settings.amqp_url, queue_prefix=settings.queue_prefix) as client:
+        task_id = await client.submit(agent, payload, task_id=task_id, trace_id=trace_id)
+        if not wait:
+            click.echo(dumps({"task_id": task_id}).decode())
+            return 0
+        try:
+            result = await client.result(task_id, timeout)
+        except TimeoutError:
+            click.echo(dumps({"task_id": task_id, "status": "pending"}).decode())
+            click.echo(f"no result within {timeout}s", err=True)
+            return 3
+        click.echo(
+            dumps(
+                {
+                    "task_id": task_id,
+                    "status": result.status,
+                    "result": result.result,
+                    "error": result.error,
+                }
+            ).decode()
+        )
+        return 0 if result.ok else 1
+
+
+@click.command()
+@click.argument("task_id")
+@click.option("--agent", help="The task's agent (default: looked up in the event log).")
+@click.option("--reason", help="Recorded with the cancellation.")
+@click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait.")
+def cancel(task_id: str, agent: str | None, reason: str | None, timeout: float) -> None:
+    """Cancel TASK_ID: durable, cascades to every peer call it waits for.
+
+    Prints the task's status afterwards as JSON. Exit codes: 0 cancelled, 1 it had already
+    finished (completed or failed), 2 bad arguments or unknown task, 3 no answer in --timeout.
+    """
+    settings = load_settings()
+    sys.exit(run(_cancel(settings, task_id, agent, reason, timeout)))
+
+
+async def _cancel(
+    settings: Settings, task_id: str, agent: str | None, reason: str | None, timeout: float
+) -> int:
+    from events import fold
+
+    from ..client import Client
+
+    if agent is None:
+        store = open_store(settings)
+        try:
+            agent = fold(task_id, await store.read_stream(task_id)).agent
+        finally:
+            await store.close()
+        if agent is None:
+            click.echo(
+                f"task {task_id!r} is not in the event log; name its agent with --agent", err=True
+            )
+            return 2
+    async with Client(settings.amqp_url, queue_prefix=settings.queue_prefix) as client:
+        try:
+            status = await client.cancel(agent, task_id, reason=reason, timeout=timeout)
+        except TimeoutError:
+            click.echo(f"no answer from agent {agent!r} within {timeout}s", err=True)
+            return 3
+    click.echo(dumps({"task_id": task_id, "status": status}).decode())
+    return 0 if status == "cancelled" else 1
+
+
+@click.group(name="dead-letters")
+def dead_letters() -> None:
+    """Inspect and replay the dead-letter queue (see README, "Dead letters")."""
+
+
+@dead_letters.command(name="list")
+@click.option("--limit", type=int, default=50, show_default=True, help="At most this many.")
+@click.option("--json", "as_json", is_flag=True, help="JSON instead of a table.")
+def list_dead_letters(limit: int, as_json: bool) -> None:
+    """Show dead letters with their reasons; they stay in the queue."""
+    from ..deadletters import browse
+    from ..wire import Names
+
+    settings = load_settings()
+    letters = run(browse(settings.amqp_url, Names(settings.queue_prefix), limit))
+    _print_letters(letters, as_json)
+
+
+@dead_letters.command(name="replay")
+@click.option("--reason", help="Only dead letters of this reason (e.g. handler-failed).")
+@click.option("--limit", type=int, default=50, show_default=True, help="At most this many.")
+@click.option("--json", "as_json", is_flag=True, help="JSON instead of a table.")
+def replay_dead_letters(reason: str | None, limit: int, as_json: bool) -> None:
+    """Send dead letters back to the queue they came from (after fixing the cause)."""
+    from ..deadletters import replay
+    from ..wire import Names
+
+    settings = load_settings()
+    letters = run(
+        replay(settings.amqp_url, Names(settings.queue_prefix), reason=reason, limit=limit)
+    )
+    _print_letters(letters, as_json)
+    if not as_json:
+        click.echo(f"replayed {len(letters)} message(s)")
+
+
+def _print_letters(letters: list[DeadLetter], as_json: bool) -> None:
+    if as_json:
+        click.echo(dumps([letter.to_json() for letter in letters]).decode())
+        return
+    if not letters:
+        click.echo("no dead letters")
+        return
+    click.echo(f"{'reason':<26} {'from queue':<36} {'message id':<40} detail")
+    for letter in letters:
+        click.echo(
+            f"{letter.reason:<26} {letter.queue or '?':<36} {letter.message_id or '-':<40} "
+            f"{letter.detail[:80]}"
+        )
+
+
+@click.command(name="tasks")
+@click.option("--agent", help="Only tasks of this agent.")
+@click.option(
+    "--status",
+    type=click.Choice(["paused", "resumed"]),
+    help="paused: waiting for results; resumed: running again after a pause.",
+)
+@click.option("--limit", type=int, default=100, show_default=True, help="At most this many.")
+@click.option("--json", "as_json", is_flag=True, help="JSON instead of a table.")
+def list_paused_tasks(agent: str | None, status: str | None, limit: int, as_json: bool) -> None:
+    """List paused tasks (the paused-tasks projection), oldest pause first.
+
+    A task appears from its first pause until it completes, fails or is cancelled.
+    """
+    from projections.postgres import paused_tasks
+
+    rows = run(
+        with_projection_engine(
+            load_settings(), paused_tasks, agent=agent, status=status, limit=limit
+        )
+    )
+    if as_json:
+        click.echo(dumps(rows).decode())
+        return
+    if not rows:
+        click.echo("no paused tasks")
+        return
+    click.echo(
+        f"{'task':<38} {'agent':<16} {'pause':>5} {'results':>8}  {'paused since (UTC)':<19}  "
+        f"{'earliest deadline':<19}  status"
+    )
+    for row in rows:
+        results = f"{row['calls_recorded']}/{row['calls_expected']}"
+        click.echo(
+            f"{row['task_id']:<38} {row['agent']:<16} {row['pause']:>5} {results:>8}  "
+            f"{_moment(row['paused_since']):<19}  {_moment(row['earliest_deadline']):<19}  "
+            f"{row['status']}"
+        )
+
+
+def _moment(value: datetime | None) -> str:
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") if value is not None else "-"
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="JSON instead of tables.")
+def status(as_json: bool) -> None:
+    """Per-agent statistics and how far behind the log each projection is.
+
+    Counts come from the log: completed, failed and cancelled tasks (those that paused, or all
+    with WAYSTATION_AUDIT_ALL_TASKS), tasks paused now, calls to the agent that timed out, and
+    the mean duration of a pause.
+    """
+    stats, statuses = run(with_projection_engine(load_settings(), _agents_and_projections))
+    if as_json:
+        click.echo(
+            dumps(
+                {
+                    "agents": {agent: counts.to_json() for agent, counts in stats.items()},
+                    "projections": [s.to_json() for s in statuses],
+                }
+            ).decode()
+        )
+        return
+    click.echo(
+        f"{'agent':<16} {'completed':>9} {'failed':>7} {'cancelled':>9} {'paused':>7} "
+        f"{'timeouts':>8} {'mean pause':>10}"
+    )
+    for agent, c in stats.items():
+        mean = c.mean_pause_seconds
+        click.echo(
+            f"{agent:<16} {c.completed:>9} {c.failed:>7} {c.cancelled:>9} {c.paused_now:>7} "
+            f"{c.timeouts:>8} {(f'{mean:.3f}s' if mean is not None else '-'):>10}"
+        )
+    if not stats:
+        click.echo("(no agent has recorded anything yet)")
+    click.echo("")
+    print_projection_status(statuses)
+
+
+async def _agents_and_projections(
+    engine: AsyncEngine,
+) -> tuple[dict[str, AgentCounts], list[ProjectionStatus]]:
+    from projections.postgres import agent_stats, projection_status
+
+    return await agent_stats(engine), await projection_status(engine)
