@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 
 from .codec import as_stored, chain_hash
 from .model import NewEvent, RecordedEvent, hash_body
@@ -43,6 +44,7 @@ def recorded_events(
     *,
     tx_id: int = 0,
     first_position: int = 0,
+    recorded_at: datetime | None = None,
 ) -> list[RecordedEvent]:
     """The events of an append as the log holds them once it commits: chained, versioned,
     numbered from ``first_position`` (0: positions not known, as for a writer's own copy), and
@@ -61,6 +63,7 @@ def recorded_events(
             hash=digest,
             global_position=first_position + offset if first_position else 0,
             tx_id=tx_id,
+            recorded_at=recorded_at,
         )
         for offset, (event, (version, previous, digest)) in enumerate(
             zip(events, chain(stream_id, expected_version, events, prev_hash), strict=True)

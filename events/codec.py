@@ -17,12 +17,27 @@ from typing import Any
 
 import orjson
 
-__all__ = ["GENESIS_HASH", "as_stored", "canonical", "chain_hash", "dumps", "loads"]
+__all__ = [
+    "GENESIS_HASH",
+    "MAX_DEPTH",
+    "as_stored",
+    "canonical",
+    "chain_hash",
+    "dumps",
+    "loads",
+    "unstorable",
+]
 
 GENESIS_HASH = bytes(32)
 """The ``prev_hash`` of a stream's first event."""
 
 _JSON_OPTIONS = orjson.OPT_SORT_KEYS
+
+MAX_DEPTH = 128
+"""How deeply a value the log stores may nest (the log adds a few levels around it; the encoder
+stops at 254 and a deeper body than this is refused at intake)."""
+
+_INT_RANGE = (-(2**63), 2**64 - 1)
 
 
 def dumps(value: Any) -> bytes:
@@ -59,6 +74,45 @@ def _fold(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_fold(item) for item in value]
     return value
+
+
+def unstorable(value: Any, max_depth: int = MAX_DEPTH) -> str | None:
+    """Why ``value`` cannot be stored in the log as JSON (None when it can).
+
+    The log refuses what PostgreSQL's ``jsonb`` or the hash chain cannot hold: NaN and infinity,
+    a NUL character in a string or a key, a key that is not a string, an integer beyond 64 bits,
+    anything that is not JSON (a set, an object), and nesting deeper than ``max_depth``.
+    """
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if item is None or isinstance(item, bool):
+            continue
+        if isinstance(item, str):
+            if "\x00" in item:
+                return "a string holds a NUL character (\\u0000)"
+        elif isinstance(item, int):
+            if not _INT_RANGE[0] <= item <= _INT_RANGE[1]:
+                return "an integer is beyond 64 bits"
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                return "a number is NaN or infinite"
+        elif isinstance(item, dict):
+            if depth >= max_depth:
+                return f"it nests deeper than {max_depth} levels"
+            for key, child in item.items():
+                if not isinstance(key, str):
+                    return f"a key is a {type(key).__name__}, not a string"
+                if "\x00" in key:
+                    return "a key holds a NUL character (\\u0000)"
+                stack.append((child, depth + 1))
+        elif isinstance(item, (list, tuple)):
+            if depth >= max_depth:
+                return f"it nests deeper than {max_depth} levels"
+            stack.extend((child, depth + 1) for child in item)
+        else:
+            return f"a value of type {type(item).__name__} is not JSON"
+    return None
 
 
 def canonical(value: Any) -> bytes:

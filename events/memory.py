@@ -7,10 +7,12 @@ Its global order is simply the order of appends (there are no concurrent transac
 
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 from .chain import recorded_events
@@ -90,6 +92,7 @@ class InMemoryEventStore(EventStore):
             prev_hash,
             tx_id=tx_id,
             first_position=len(self._all) + 1,
+            recorded_at=datetime.fromtimestamp(self._wall_clock(), UTC),
         )
         self._streams[stream_id] = stream + recorded
         self._all.extend(recorded)
@@ -149,7 +152,9 @@ class InMemoryEventStore(EventStore):
         for _, subtask in expired:
             entry = self._pending[subtask]
             entry[3] = now + lease
-            claimed.append(ExpiredCall(subtask_id=subtask, task_id=entry[0], agent=entry[1]))
+            claimed.append(
+                ExpiredCall(subtask_id=subtask, task_id=entry[0], agent=entry[1], now=now)
+            )
         return claimed
 
     async def pending_call_deadlines(self, task_id: str) -> dict[str, float]:
@@ -161,8 +166,9 @@ class InMemoryEventStore(EventStore):
     async def read_all(
         self, after: Position = Position(), limit: int = 1000
     ) -> list[RecordedEvent]:
-        found = [e for e in self._all if Position.of(e) > after]
-        return [_copy(e) for e in found[:limit]]
+        # positions are the order of appends here: the first one past ``after`` by bisection
+        start = bisect.bisect_right(self._all, after, key=Position.of)
+        return [_copy(e) for e in self._all[start : start + limit]]
 
     async def claim_outbox(self, limit: int = 100, lease: float = 30.0) -> list[OutboxEntry]:
         now = self._clock()

@@ -114,7 +114,7 @@ _CLAIM_EXPIRED = text(
         WHERE deadline_at <= now() AND (leased_until IS NULL OR leased_until <= now())
           AND (CAST(:deployment AS text) IS NULL OR deployment = :deployment)
         ORDER BY deadline_at LIMIT :limit FOR UPDATE SKIP LOCKED)
-    RETURNING subtask_id, task_id, agent
+    RETURNING subtask_id, task_id, agent, extract(epoch FROM now())::float8
     """
 )
 
@@ -340,7 +340,7 @@ class PostgresEventStore(EventStore):
                 rows = (await connection.execute(_CLAIM_EXPIRED, params)).all()
         except Exception as error:
             raise _translate(error) from error
-        return [ExpiredCall(subtask_id=r[0], task_id=r[1], agent=r[2]) for r in rows]
+        return [ExpiredCall(subtask_id=r[0], task_id=r[1], agent=r[2], now=r[3]) for r in rows]
 
     async def pending_call_deadlines(self, task_id: str) -> dict[str, float]:
         try:

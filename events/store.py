@@ -80,6 +80,9 @@ class ExpiredCall:
     subtask_id: str
     task_id: str
     agent: str
+    now: float = 0.0
+    """The database's clock when it found the call expired (seconds since the epoch): the
+    timeout is decided on it, not on the sweeping worker's own clock, which may be behind."""
 
 
 @dataclass(frozen=True, slots=True)

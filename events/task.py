@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from .codec import canonical
+from .codec import canonical, unstorable
 from .model import (
     CancelledCall,
     DeadlineExtended,
@@ -63,6 +63,9 @@ __all__ = [
     "parse_subtask_id",
     "subtask_id",
 ]
+
+MAX_AGENT_NAME = 200
+"""Longest agent name a call may name (its queue name is at most 255 bytes with the prefix)."""
 
 _EVENT_NAMESPACE = uuid.UUID("6f1f8a52-3c7e-4f43-9a57-7f3b2c1d0e11")
 
@@ -169,7 +172,8 @@ def _minimal_delta(state: Mapping[str, Any], update: Mapping[str, Any]) -> dict[
     delta: dict[str, Any] = {}
     for key, value in update.items():
         if not isinstance(key, str):
-            raise InvalidTransition(f"state keys must be strings, not {key!r}")
+            raise InvalidTransition(f"state keys must be strings, not a {type(key).__name__}")
+        _require_storable({key: value}, f"the state update of {key[:100]!r}")
         if value is None:
             if key in state:
                 delta[key] = None
@@ -186,7 +190,14 @@ def _encoded(value: Any) -> bytes:
     try:
         return canonical(value)
     except (TypeError, ValueError) as error:
-        raise InvalidTransition(f"state values must be JSON, not {value!r}: {error}") from error
+        raise InvalidTransition(f"a state value cannot be stored: {error}") from error
+
+
+def _require_storable(value: Any, what: str) -> None:
+    """An outcome the log cannot hold fails at once, never at the commit (defect a)."""
+    problem = unstorable(value)
+    if problem is not None:
+        raise InvalidTransition(f"{what} cannot be stored: {problem}")
 
 
 @dataclass(frozen=True)
@@ -341,6 +352,8 @@ def decide_outcome(
     ``record_completion`` (auditing of all tasks) is on. A resumed task records its next pause or
     its completion. Deadlines are measured from ``now``, the moment of dispatch.
     """
+    if isinstance(outcome, Complete):
+        _require_storable(outcome.result, "the result")
     if state.status == "new":
         if start is None:
             raise InvalidTransition("a new task needs its TaskStarted")
@@ -374,8 +387,11 @@ def _pause(
     number = state.pause + 1
     calls = []
     for index, call in enumerate(outcome.calls):
-        if not isinstance(call, Call) or not call.agent:
-            raise InvalidTransition(f"call {index} is not a Call with an agent name: {call!r}")
+        if not isinstance(call, Call) or not isinstance(call.agent, str) or not call.agent:
+            raise InvalidTransition(f"call {index} is not a Call with an agent name")
+        if len(call.agent) > MAX_AGENT_NAME or "\x00" in call.agent:
+            raise InvalidTransition(f"call {index} names no agent a queue can have")
+        _require_storable(call.input, f"the input of call {index}")
         timeout = call.timeout if call.timeout is not None else default_timeout
         if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
             raise InvalidTransition(

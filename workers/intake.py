@@ -8,6 +8,10 @@ reason. Reasons (the ``x-waystation-reason`` header of the dead letter):
 ``headers-too-large``       headers over ``WAYSTATION_MAX_HEADER_BYTES`` (as JSON)
 ``invalid-utf8``            body is not UTF-8
 ``invalid-json``            body is UTF-8 but not JSON
+``unstorable``              JSON the log cannot store: a NUL character (``\\u0000``), nesting
+                            deeper than 128 levels, an integer beyond 64 bits. A peer's reply
+                            of this kind fails its call at once (an ``unstorable-reply`` error)
+``invalid-property``        a property or trace header the log cannot store (a NUL character)
 ``wrong-shape``             JSON, but not what this message type carries
 ``missing-property``        a required AMQP property is absent (``message_id`` on a task,
                             ``correlation_id`` on a reply)
@@ -15,7 +19,10 @@ reason. Reasons (the ``x-waystation-reason`` header of the dead letter):
 ``malformed-correlation-id``  a reply whose correlation id names no sub-task
 ``unknown-task``            a reply or progress report for a task the log does not know
 ``handler-failed``          the handler raised on every allowed attempt, or returned an
-                            invalid outcome
+                            outcome that cannot be recorded
+``delivery-limit``          delivered more times than the delivery limit without being settled
+                            (its workers died holding it); a task's publisher is told
+``unroutable``              a result whose ``reply_to`` queue no longer exists (kept here)
 ==========================  ==============================================================
 """
 
@@ -26,7 +33,10 @@ from typing import Any
 
 import orjson
 
+from events.codec import unstorable
+
 from .broker import Delivery
+from .wire import HEADER_ROOT, HEADER_TRACE, HEADER_TRACEPARENT
 
 __all__ = ["Rejection", "inspect"]
 
@@ -55,7 +65,21 @@ def inspect(delivery: Delivery, *, max_body: int, max_headers: int) -> Any | Rej
         delivery.body.decode("utf-8")
     except UnicodeDecodeError as error:
         return Rejection("invalid-utf8", f"body is not UTF-8: {error}")
+    for name in ("message_id", "correlation_id", "reply_to", "type"):
+        value = getattr(delivery, name)
+        if isinstance(value, str) and "\x00" in value:
+            return Rejection("invalid-property", f"{name} holds a NUL character")
+    for header in (HEADER_TRACE, HEADER_TRACEPARENT, HEADER_ROOT):
+        value = delivery.headers.get(header)
+        if isinstance(value, bytes):
+            value = value.decode(errors="replace")
+        if isinstance(value, str) and "\x00" in value:
+            return Rejection("invalid-property", f"header {header} holds a NUL character")
     try:
-        return orjson.loads(delivery.body)
+        body = orjson.loads(delivery.body)
     except orjson.JSONDecodeError as error:
         return Rejection("invalid-json", f"body is not JSON: {error}")
+    problem = unstorable(body)
+    if problem is not None:
+        return Rejection("unstorable", f"the log cannot store this body: {problem}")
+    return body

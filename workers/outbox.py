@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from events import EventStore, OutboxEntry, OutboxMessage
 
@@ -39,32 +39,32 @@ class OutboxPublisher:
         observer: Observer,
         *,
         poll_interval: float,
-        on_unroutable: Callable[[str, OutboxMessage], None] | None = None,
+        on_unroutable: Callable[[OutboxMessage], Awaitable[bool]] | None = None,
     ) -> None:
         self.broker = broker
         self.store = store
         self.observer = observer
         self.poll_interval = poll_interval
         self.on_unroutable = on_unroutable
-        """Told of a committed message no queue takes (``task_id``, ``message``)."""
+        """Acts on a committed message no queue takes; True once that is done (durably), and
+        only then is its row forgotten (else the relay meets it again later)."""
         self._publishing: set[asyncio.Task[None]] = set()
         self._published: list[int] = []
+        self._have_published = asyncio.Event()
 
     # ---- a commit's own messages ----------------------------------------------------------------
 
-    def send_committed(
-        self, task_id: str, outbox_ids: Sequence[int], messages: Sequence[OutboxMessage]
-    ) -> None:
+    def send_committed(self, outbox_ids: Sequence[int], messages: Sequence[OutboxMessage]) -> None:
         """Publish the messages of rows that just committed; confirmed rows are forgotten, the
         rest the relay publishes after ``outbox_delay``."""
         publishing = asyncio.get_running_loop().create_task(
-            self._publish_committed(task_id, outbox_ids, messages)
+            self._publish_committed(outbox_ids, messages)
         )
         self._publishing.add(publishing)
         publishing.add_done_callback(self._publishing.discard)
 
     async def _publish_committed(
-        self, task_id: str, outbox_ids: Sequence[int], messages: Sequence[OutboxMessage]
+        self, outbox_ids: Sequence[int], messages: Sequence[OutboxMessage]
     ) -> None:
         try:
             errors = await self.broker.publish_all(messages)
@@ -73,10 +73,10 @@ class OutboxPublisher:
             return
         for outbox_id, message, error in zip(outbox_ids, messages, errors, strict=True):
             if error is None:
-                self._published.append(outbox_id)
+                self._forget(outbox_id)
             elif isinstance(error, Unroutable):
-                self._unroutable(task_id, message)
-                self._published.append(outbox_id)
+                if await self._unroutable(message):
+                    self._forget(outbox_id)
             else:
                 log.warning(
                     "publishing %s failed (%s); the outbox relay will retry",
@@ -84,12 +84,22 @@ class OutboxPublisher:
                     error,
                 )
 
-    def _unroutable(self, task_id: str, message: OutboxMessage) -> None:
-        """No queue takes ``message``: retrying cannot help. Say so, and let the worker act."""
+    def _forget(self, outbox_id: int) -> None:
+        self._published.append(outbox_id)
+        self._have_published.set()
+
+    async def _unroutable(self, message: OutboxMessage) -> bool:
+        """No queue takes ``message``: publishing it again cannot help. Say so, and let the
+        worker act; True once it has (the row may then be forgotten)."""
         log.error("message %s to %r is unroutable", message.message_id, message.routing_key)
         self.observer.count("unroutable")
-        if self.on_unroutable is not None:
-            self.on_unroutable(task_id, message)
+        if self.on_unroutable is None:
+            return True
+        try:
+            return await self.on_unroutable(message)
+        except Exception as error:
+            log.warning("message %s: could not act on it yet (%s)", message.message_id, error)
+            return False
 
     @property
     def pending(self) -> int:
@@ -127,19 +137,22 @@ class OutboxPublisher:
                 unsent = []
                 if entries:
                     errors = await self.broker.publish_all([e.message for e in entries])
-                    done = [
-                        entry.id
-                        for entry, error in zip(entries, errors, strict=True)
-                        if error is None or isinstance(error, Unroutable)
-                    ]
-                    unsent = [
-                        entry
-                        for entry, error in zip(entries, errors, strict=True)
-                        if error is not None and not isinstance(error, Unroutable)
-                    ]
+                    done = []
+                    for entry, error in zip(entries, errors, strict=True):
+                        if error is None:
+                            done.append(entry.id)
+                        elif isinstance(error, Unroutable):
+                            if await self._unroutable(entry.message):
+                                done.append(entry.id)
+                            # else: its lease runs out, and a relay meets it again
+                        else:
+                            unsent.append(entry)
                     if unsent:
                         log.warning("outbox relay: %d not published yet; retrying", len(unsent))
-                    await self.store.delete_outbox(done)
+                    # forgotten like a commit's own rows: a delete that fails is tried again,
+                    # instead of the rows going out once more when their lease ends
+                    for outbox_id in done:
+                        self._forget(outbox_id)
                     self.observer.relayed(len(done))
                     log.info("outbox relay published %d message(s)", len(done))
                     if len(entries) == RELAY_BATCH and not unsent:
@@ -151,16 +164,22 @@ class OutboxPublisher:
             await asyncio.sleep(self.poll_interval)
 
     async def forget_published(self) -> None:
+        """Delete confirmed rows, a batch at a time (waking only when there are some)."""
         while True:
-            await asyncio.sleep(FORGET_INTERVAL)
+            await self._have_published.wait()
+            await asyncio.sleep(FORGET_INTERVAL)  # let a batch gather
+            self._have_published.clear()
             try:
                 await self.flush_published()
             except asyncio.CancelledError:
                 raise
             except Exception as error:
                 log.warning("could not forget published outbox rows yet: %s", error)
+                self._have_published.set()
 
     async def flush_published(self) -> None:
+        if not self._published:
+            return
         ids, self._published = self._published, []
         try:
             await self.store.delete_outbox(ids)

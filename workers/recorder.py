@@ -21,14 +21,19 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from events import (
+    AppendResult,
     DomainEvent,
     EventMetadata,
     EventStore,
     NewEvent,
+    OutboxMessage,
     RecordedEvent,
+    StoreUnavailable,
     TaskFailed,
+    TaskResumed,
     TaskState,
     VersionConflict,
     event_id,
@@ -40,7 +45,7 @@ from .faults import FaultPlan
 from .logs import add_to_context
 from .observer import FINISHED, Observer
 from .outbox import OutboxPublisher
-from .wire import Names, implied_messages, with_prior_attempts
+from .wire import TYPE_RESUME, Names, implied_messages, with_attempts
 
 __all__ = [
     "MAX_CONFLICT_RETRIES",
@@ -54,6 +59,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 MAX_CONFLICT_RETRIES = 50
 
@@ -97,6 +104,11 @@ class Extension:
 
 
 Extend = Callable[[TaskState, list[RecordedEvent], list[DomainEvent]], Awaitable[Extension | None]]
+
+
+def resumes(events: Sequence[DomainEvent]) -> bool:
+    """Whether a decision resumes its task (so a handler may run on it)."""
+    return bool(events) and isinstance(events[-1], TaskResumed)
 
 
 class StreamLocks:
@@ -165,7 +177,10 @@ class Recorder:
         clock: Callable[[], float],
         outbox_delay: float,
         faults: FaultPlan,
+        stopping: Callable[[], bool] = lambda: False,
     ) -> None:
+        self.stopping = stopping
+        """True once the worker is stopping: an append then gives up on an outage."""
         self.store = store
         self.names = names
         self.outbox = outbox
@@ -182,10 +197,13 @@ class Recorder:
 
     async def load_events(
         self, task_id: str, *, cached: bool = False
-    ) -> tuple[TaskState, list[RecordedEvent]]:
+    ) -> tuple[TaskState, list[RecordedEvent], bool]:
+        """The task's state, the events it was folded from, and whether they came from this
+        worker's own copy (which may be stale) rather than from the log."""
         recorded = self.cache.take(task_id) if cached else None
+        from_cache = recorded is not None
         if recorded is None:
-            recorded = await self.store.read_stream(task_id)
+            recorded = await self._through_outages(lambda: self.store.read_stream(task_id))
         else:
             self.observer.count("stream_cache_hits")
         state = fold(task_id, recorded)
@@ -193,7 +211,7 @@ class Recorder:
         if state.unreadable:
             # deciding on part of the story could contradict what the unread events say
             raise UnreadableStream(f"task {task_id}: cannot read {', '.join(state.unreadable)}")
-        return state, recorded
+        return state, recorded, from_cache
 
     def metadata(self, state: TaskState, cause: Cause) -> EventMetadata:
         return EventMetadata(
@@ -234,11 +252,20 @@ class Recorder:
             for _ in range(MAX_CONFLICT_RETRIES):
                 # first from what this worker last wrote to the stream, if it is still cached:
                 # a stale copy only costs a conflict, since the append checks the version
-                state, history = await self.load_events(task_id, cached=cached)
+                state, history, from_cache = await self.load_events(task_id, cached=cached)
                 cached = False
                 events = decide(state)
                 if not events:
+                    if from_cache:
+                        # nothing to do, says a copy that may be stale (a timeout on a pause this
+                        # worker has not seen): only the log itself can say so
+                        continue
                     return Applied(state, [])
+                if extend is not None and from_cache and resumes(events):
+                    # a handler is about to run on this decision: never on a copy that may be
+                    # stale (the task may have been cancelled or timed out meanwhile), however
+                    # the append would settle it afterwards
+                    continue
                 causation = key(events)
                 if causation == found:
                     return Applied(state, [])
@@ -270,6 +297,41 @@ class Recorder:
                 found = causation
         raise RuntimeError(f"{step} on {task_id}: gave up after {MAX_CONFLICT_RETRIES} conflicts")
 
+    async def _through_outages(self, operation: Callable[[], Awaitable[T]]) -> T:
+        """Run ``operation``; through an outage of the log, run it again until the log answers
+        (or the worker stops). The flow around it stands: a handler that already ran is not
+        run again (defect k), and an append that did commit before its connection dropped is
+        recognised as a duplicate when repeated."""
+        backoff = 0.1
+        while True:
+            try:
+                return await operation()
+            except StoreUnavailable as error:
+                if self.stopping():
+                    raise
+                log.warning("event log unavailable (%s); retrying in %.1fs", error, backoff)
+                self.observer.outage("database")
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    async def _append(
+        self, state: TaskState, events: list[NewEvent], messages: list[OutboxMessage]
+    ) -> AppendResult:
+        # shielded: a cancelled caller (its broker channel closed) must not cut the statement
+        # in half; it commits or not, and a redelivery recognises it
+        return await self._through_outages(
+            lambda: asyncio.shield(
+                self.store.append(
+                    state.task_id,
+                    state.version,
+                    events,
+                    prev_hash=state.last_hash,
+                    outbox=messages,
+                    outbox_delay=self.outbox_delay,
+                )
+            )
+        )
+
     async def commit(
         self,
         state: TaskState,
@@ -294,17 +356,11 @@ class Recorder:
         ]
         messages = implied_messages(self.names, state, events)
         if resume_attempts:
-            messages = [with_prior_attempts(m, resume_attempts) for m in messages]
-        result = await asyncio.shield(
-            self.store.append(
-                state.task_id,
-                state.version,
-                new_events,
-                prev_hash=state.last_hash,
-                outbox=messages,
-                outbox_delay=self.outbox_delay,
-            )
-        )
+            messages = [
+                with_attempts(m, resume_attempts) if m.properties.get("type") == TYPE_RESUME else m
+                for m in messages
+            ]
+        result = await self._append(state, new_events, messages)
         if history is not None and not result.duplicate:
             self.cache.put(
                 state.task_id,
@@ -320,7 +376,7 @@ class Recorder:
         if messages:
             # committed, so the outbox holds them (G4): send now, and let their confirms arrive
             # while this delivery is acked and the next one handled
-            self.outbox.send_committed(state.task_id, result.outbox_ids, messages)
+            self.outbox.send_committed(result.outbox_ids, messages)
             await asyncio.sleep(0)  # let it hand its frames to the connection first
         self.faults.hit(f"{step}.published")
         return True

@@ -20,8 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 from events import EventStore, OutboxMessage, StoreUnavailable, parse_subtask_id
 from events.codec import dumps
@@ -31,7 +30,7 @@ from .broker import Broker, BrokerUnavailable, Delivery
 from .brokers.amqp import AmqpBroker
 from .faults import FaultPlan
 from .flows import Flows, dispatch, kind_label
-from .flows.reply import record_unroutable
+from .flows.reply import handle_unstorable_reply, record_unroutable
 from .intake import Rejection, inspect
 from .logs import log_context
 from .metrics import Health, Metrics
@@ -39,9 +38,9 @@ from .observer import Observer, WorkerStats
 from .outbox import OutboxPublisher
 from .recorder import Recorder, UnreadableStream
 from .settings import Settings
-from .settle import Disposition, Settled, Settler, attempt_of, requeue
+from .settle import Disposition, Settled, Settler, attempt_of, dead, requeue
 from .sweeper import DeadlineSweeper
-from .wire import TYPE_TASK, Names, trace_id_of
+from .wire import TYPE_RESULT, TYPE_RESUME, TYPE_TASK, Names, trace_id_of
 
 __all__ = ["Worker", "WorkerStats"]
 
@@ -99,10 +98,19 @@ class Worker:
             clock=clock,
             outbox_delay=settings.outbox_delay,
             faults=faults,
+            stopping=lambda: self._stopping,
         )
         self.settler = Settler(self.broker, self.names, self.observer, settings.worker_id)
         self.flows = Flows(
-            app, settings, self.names, self.broker, self.recorder, self.observer, clock, faults
+            app,
+            settings,
+            self.names,
+            self.broker,
+            self.recorder,
+            self.observer,
+            clock,
+            faults,
+            self.settler,
         )
         self.sweeper = DeadlineSweeper(
             store,
@@ -113,7 +121,6 @@ class Worker:
             clock=clock,
         )
         self._background: list[asyncio.Task[None]] = []
-        self._spawned: set[asyncio.Task[Any]] = set()
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -176,9 +183,9 @@ class Worker:
                 "%d messages still in flight after the grace period; they will be redelivered",
                 self._inflight,
             )
-        for task in [*self._background, *self._spawned]:
+        for task in self._background:
             task.cancel()
-        for task in [*self._background, *self._spawned]:
+        for task in self._background:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await self.outbox.stop(self.settings.shutdown_grace)
@@ -215,17 +222,17 @@ class Worker:
             },
         )
 
-    def _spawn(self, coroutine: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._spawned.add(task)
-        task.add_done_callback(self._spawned.discard)
-
-    def _unroutable(self, task_id: str, message: OutboxMessage) -> None:
-        """A committed peer request no queue takes fails its call at once."""
+    async def _unroutable(self, message: OutboxMessage) -> bool:
+        """A committed message no queue takes: a peer request fails its call at once; any other
+        (a result whose publisher is gone) is kept as a dead letter. True once done."""
         properties = message.properties
         subtask = properties.get("correlation_id")
         if properties.get("type") == TYPE_TASK and subtask == message.message_id and subtask:
-            self._spawn(record_unroutable(self.flows, task_id, subtask, message.routing_key))
+            task_id, _, _ = parse_subtask_id(subtask)
+            await record_unroutable(self.flows, task_id, subtask, message.routing_key)
+        else:
+            await self.settler.keep_unroutable(message)
+        return True
 
     # ---- every delivery ----------------------------------------------------------------------
 
@@ -261,13 +268,33 @@ class Worker:
             max_headers=self.settings.max_header_bytes,
         )
         if isinstance(body, Rejection):
+            if body.reason == "unstorable" and kind_label(delivery, kind) == TYPE_RESULT:
+                why = body
+                return await self._retrying(
+                    lambda: handle_unstorable_reply(self.flows, delivery, why), delivery, kind
+                )
             return Settled(Disposition.DEAD_LETTER, None, body, kind == "tasks")
+        if not _runs_a_handler(delivery, kind) and self.flows.out_of_attempts(delivery):
+            # (a task or resume records its failure in its flow, its publisher answered)
+            return dead(
+                "delivery-limit",
+                f"delivered {attempt_of(delivery)} times without being settled",
+            )
+        return await self._retrying(
+            lambda: dispatch(self.flows, delivery, spec, kind, body), delivery, kind
+        )
+
+    async def _retrying(
+        self, flow: Callable[[], Awaitable[Settled]], delivery: Delivery, kind: str
+    ) -> Settled:
+        """Run ``flow``; when a service it needs is out, wait and run it again (not the
+        message's fault: retrying in place does not burn its delivery limit). A commit retries
+        its own append (``Recorder.commit``), so a handler that already ran is not run again."""
         backoff = 0.1
         while True:
             try:
-                return await dispatch(self.flows, delivery, spec, kind, body)
+                return await flow()
             except StoreUnavailable as error:
-                # not the message's fault: retry in place rather than burn its delivery limit
                 if self._stopping:
                     return requeue()
                 log.warning("event log unavailable (%s); retrying in %.1fs", error, backoff)
@@ -275,7 +302,7 @@ class Worker:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
             except BrokerUnavailable as error:
-                # the broker connection is being restored: not the message's fault either
+                # the broker connection is being restored
                 if self._stopping or not self.broker.settleable(delivery):
                     # its own delivery died with the channel: it is redelivered anyway
                     return requeue()
@@ -285,8 +312,8 @@ class Worker:
                 backoff = min(backoff * 2, 5.0)
             except UnreadableStream as error:
                 # a rolling upgrade: leave it to a worker that can read it. Each requeue counts
-                # toward the queue's delivery limit, after which the broker dead-letters it
-                # (replay it once every worker is upgraded)
+                # toward the delivery limit, after which it is dead-lettered (replay it once
+                # every worker is upgraded)
                 log.warning("%s; requeueing it for a newer worker", error)
                 self.observer.unreadable()
                 await asyncio.sleep(min(0.5 * attempt_of(delivery), 5.0))
@@ -296,6 +323,10 @@ class Worker:
                 self.observer.count("processing_errors")
                 await asyncio.sleep(min(0.1 * attempt_of(delivery), 2.0))
                 return requeue()
+
+
+def _runs_a_handler(delivery: Delivery, kind: str) -> bool:
+    return kind == "tasks" and (delivery.type or TYPE_TASK) in (TYPE_TASK, TYPE_RESUME)
 
 
 def _context_of(delivery: Delivery, kind: str) -> dict[str, str | None]:

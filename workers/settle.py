@@ -1,11 +1,19 @@
-"""The one place that settles a delivery: ack, requeue or dead-letter, once its outcome is durable.
+"""The one place that settles a delivery: ack, retry, requeue or dead-letter, once its outcome is
+durable.
 
 Flows never ack: each returns a :class:`Settled` saying what should become of its delivery, and the
 worker hands it to :meth:`Settler.settle` only after every event that records the delivery's
-effect has committed (G1). A dead letter is a copy of the delivery published to the deployment's
-dead-letter exchange with its reason (``x-waystation-reason``, ``-detail``, ``-queue``), and the
-delivery acked only once the broker confirmed the copy (G9); when the copy cannot be published
-the delivery is requeued instead, so nothing is lost.
+effect has committed (G1).
+
+* A dead letter is a copy of the delivery published to the deployment's dead-letter exchange with
+  its reason (``x-waystation-reason``, ``-detail``, ``-queue``); the delivery is acked only once
+  the broker confirmed the copy (G9).
+* A retry (a handler that raised, with attempts left) is a copy sent back to the delivery's queue
+  carrying the number of failed runs (``x-waystation-attempts``), then the delivery is acked:
+  Waystation counts attempts itself, so the count means the same on every broker version
+  (RabbitMQ 4.3 no longer counts a requeue in ``x-delivery-count``).
+
+When a copy cannot be published the delivery is requeued instead, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -15,32 +23,42 @@ import enum
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from events import OutboxMessage
 
-from .broker import Broker, BrokerError, Delivery
+from .broker import Broker, BrokerError, Delivery, Unroutable
 from .intake import Rejection
 from .observer import Observer
 from .wire import (
+    HEADER_ATTEMPTS,
     HEADER_DETAIL,
-    HEADER_PRIOR_ATTEMPTS,
     HEADER_QUEUE,
     HEADER_REASON,
-    TYPE_RESUME,
     Names,
     ResultEnvelope,
     result_message,
 )
 
-__all__ = ["Disposition", "Settled", "Settler", "ack", "attempt_of", "dead", "requeue"]
+__all__ = [
+    "Disposition",
+    "Settled",
+    "Settler",
+    "ack",
+    "attempt_of",
+    "crash_limit",
+    "dead",
+    "requeue",
+    "retry",
+]
 
 log = logging.getLogger(__name__)
 
 
 class Disposition(enum.Enum):
     ACK = "ack"
+    RETRY = "retry"
     REQUEUE = "requeue"
     DEAD_LETTER = "dead-letter"
 
@@ -56,6 +74,8 @@ class Settled:
     """Why a dead letter is dead."""
     tell_publisher: bool = False
     """Send the rejection to the delivery's ``reply_to`` as an error result."""
+    failed_runs: int = 0
+    """For a retry: the runs of its handler that have failed so far, this one included."""
 
 
 def ack(checkpoint_started: float | None = None) -> Settled:
@@ -70,12 +90,43 @@ def dead(reason: str, detail: str, *, tell_publisher: bool = False) -> Settled:
     return Settled(Disposition.DEAD_LETTER, None, Rejection(reason, detail), tell_publisher)
 
 
+def retry(failed_runs: int) -> Settled:
+    return Settled(Disposition.RETRY, failed_runs=failed_runs)
+
+
+def crash_limit(delivery_limit: int) -> int:
+    """How many times a message may come back unsettled (its worker died, or its connection
+    dropped, while holding it) before it is taken for a poison message and failed."""
+    return 2 * delivery_limit
+
+
 def attempt_of(delivery: Delivery) -> int:
-    """Which attempt this delivery is: the broker counts redeliveries, and a resume message
-    counts the runs that failed in place before it was sent."""
-    prior = delivery.headers.get(HEADER_PRIOR_ATTEMPTS, 0) if delivery.type == TYPE_RESUME else 0
-    attempt = delivery.broker_count + 1
-    return attempt + (prior if isinstance(prior, int) and 0 <= prior < 100 else 0)
+    """Which attempt of its handler this delivery is: 1, plus the runs that failed before (which
+    the worker that saw them fail wrote into ``x-waystation-attempts``), plus the times the broker
+    took it back unsettled (a worker died holding it, or its connection dropped)."""
+    failed = delivery.headers.get(HEADER_ATTEMPTS, 0)
+    if not isinstance(failed, int) or isinstance(failed, bool) or not 0 <= failed < 1_000_000:
+        failed = 0
+    return 1 + failed + delivery.broker_count
+
+
+def _copy(
+    delivery: Delivery, routing_key: str, headers: dict[str, Any], *, exchange: str
+) -> OutboxMessage:
+    """A copy of ``delivery`` to publish again, with these headers."""
+    return OutboxMessage(
+        message_id=delivery.message_id or "",
+        routing_key=routing_key,
+        body=delivery.body,
+        properties={
+            "type": delivery.type,
+            "correlation_id": delivery.correlation_id,
+            "reply_to": delivery.reply_to,
+            "content_type": delivery.content_type,
+            "headers": headers,
+        },
+        exchange=exchange,
+    )
 
 
 class Settler:
@@ -87,9 +138,44 @@ class Settler:
         self.observer = observer
         self.worker_id = worker_id
 
+    async def answer(self, message: OutboxMessage) -> None:
+        """Publish an answer (a result, a cancel's status) to its ``reply_to`` queue. When that
+        queue is gone (its publisher left), the answer is kept as a dead letter, ``unroutable``:
+        retrying cannot help, and re-running the work that produced it would only repeat it."""
+        try:
+            await self.broker.publish(message)
+        except Unroutable:
+            await self.keep_unroutable(message)
+
+    async def keep_unroutable(self, message: OutboxMessage) -> None:
+        """Dead-letter ``message``, which no queue takes, with the reason ``unroutable``."""
+        log.warning(
+            "%s to %r: no such queue; dead-lettered", message.message_id, message.routing_key
+        )
+        self.observer.dead_letter("unroutable")
+        headers = {
+            **(message.properties.get("headers") or {}),
+            HEADER_REASON: "unroutable",
+            HEADER_DETAIL: f"no queue {message.routing_key!r} (its publisher is gone)",
+            HEADER_QUEUE: message.routing_key,
+            "x-waystation-worker": self.worker_id,
+        }
+        await self.broker.publish(
+            replace(
+                message,
+                exchange=self.names.dead_letter_exchange,
+                properties={**message.properties, "headers": headers},
+            )
+        )
+
     async def settle(self, delivery: Delivery, settled: Settled) -> None:
         try:
             if settled.disposition is Disposition.ACK:
+                await self.broker.ack(delivery)
+            elif settled.disposition is Disposition.RETRY:
+                if not await self._send_back(delivery, settled.failed_runs):
+                    await self.broker.requeue(delivery)
+                    return
                 await self.broker.ack(delivery)
             elif settled.disposition is Disposition.REQUEUE:
                 await self.broker.requeue(delivery)
@@ -114,6 +200,22 @@ class Settler:
         )
         self.observer.settled(settled.disposition.value, checkpoint)
 
+    async def _send_back(self, delivery: Delivery, failed_runs: int) -> bool:
+        """Publish a copy of ``delivery`` to its own queue counting ``failed_runs``; False if
+        that failed (the delivery is then requeued, and the broker's count carries on)."""
+        headers: dict[str, Any] = {
+            key: value
+            for key, value in delivery.headers.items()
+            if key not in ("x-delivery-count", "x-acquired-count")
+        }
+        headers[HEADER_ATTEMPTS] = failed_runs
+        try:
+            await self.broker.publish(_copy(delivery, delivery.queue, headers, exchange=""))
+        except BrokerError as error:
+            log.warning("could not retry %s (%s); requeueing it", delivery.message_id, error)
+            return False
+        return True
+
     async def _dead_letter(self, delivery: Delivery, settled: Settled) -> bool:
         """Publish ``delivery`` to the dead-letter exchange with its reason; False on failure."""
         rejection = settled.rejection or Rejection("rejected", "")
@@ -134,19 +236,7 @@ class Settler:
                 "x-waystation-worker": self.worker_id,
             }
         )
-        copy = OutboxMessage(
-            message_id=delivery.message_id or "",
-            routing_key=delivery.queue,
-            body=delivery.body,
-            properties={
-                "type": delivery.type,
-                "correlation_id": delivery.correlation_id,
-                "reply_to": delivery.reply_to,
-                "content_type": delivery.content_type,
-                "headers": headers,
-            },
-            exchange=self.names.dead_letter_exchange,
-        )
+        copy = _copy(delivery, delivery.queue, headers, exchange=self.names.dead_letter_exchange)
         try:
             await self.broker.publish(copy)
         except BrokerError as error:
@@ -158,7 +248,7 @@ class Settler:
                 "error", error={"type": rejection.reason, "message": rejection.detail}
             )
             with contextlib.suppress(BrokerError):
-                await self.broker.publish(
+                await self.answer(
                     result_message(task_id, delivery.reply_to, delivery.correlation_id, envelope)
                 )
         return True

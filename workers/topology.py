@@ -22,6 +22,7 @@ from yarl import URL
 
 from events.codec import dumps
 
+from .settle import crash_limit
 from .wire import Names
 
 __all__ = ["apply_policy", "clear_policy", "declare", "policy_definition", "vhost_of"]
@@ -44,11 +45,16 @@ async def declare(channel: AbstractChannel, names: Names, agents: Iterable[str])
 
 
 def policy_definition(names: Names, delivery_limit: int) -> tuple[str, dict[str, object]]:
-    """The policy's pattern and definition (also what compose's definitions file holds)."""
+    """The policy's pattern and definition (also what compose's definitions file holds).
+
+    Waystation counts attempts and fails a task at its own limits (``workers.settle``); the
+    broker's ``delivery-limit`` is a backstop past those (a message the workers never get to
+    settle at all), set one above the crash limit so that Waystation's own reason comes first.
+    """
     dead = re.escape(names.dead_letter_queue)
     pattern = f"^{re.escape(names.prefix)}(?!{dead[len(re.escape(names.prefix)) :]}$)"
     return pattern, {
-        "delivery-limit": delivery_limit,
+        "delivery-limit": crash_limit(delivery_limit) + 1,
         "dead-letter-exchange": names.dead_letter_exchange,
     }
 

@@ -36,8 +36,8 @@ from events.codec import dumps
 
 __all__ = [
     "CONTENT_TYPE",
+    "HEADER_ATTEMPTS",
     "HEADER_DETAIL",
-    "HEADER_PRIOR_ATTEMPTS",
     "HEADER_QUEUE",
     "HEADER_REASON",
     "HEADER_ROOT",
@@ -48,7 +48,7 @@ __all__ = [
     "implied_messages",
     "result_message",
     "trace_id_of",
-    "with_prior_attempts",
+    "with_attempts",
 ]
 
 CONTENT_TYPE = "application/json"
@@ -58,8 +58,11 @@ HEADER_TRACEPARENT = "traceparent"
 HEADER_ROOT = "x-waystation-root-task"
 """The root task of a call tree; a peer request carries it so every event names its root."""
 
-HEADER_PRIOR_ATTEMPTS = "x-waystation-prior-attempts"
-"""On an internal resume message: runs of the resumed handler that already failed in place."""
+HEADER_ATTEMPTS = "x-waystation-attempts"
+"""Runs of this message's handler that already failed: set by a worker on the copy it sends back
+to the queue to retry a failed run, and on a resume message after a run in place failed.
+Waystation counts attempts itself with it, whatever the broker's own counters mean (RabbitMQ 4.3
+stopped counting a requeue in ``x-delivery-count``)."""
 
 HEADER_REASON = "x-waystation-reason"
 """On a dead letter: why, as a machine-readable code (README, "Dead letters")."""
@@ -201,11 +204,9 @@ def cancel_message(
     )
 
 
-def with_prior_attempts(message: OutboxMessage, attempts: int) -> OutboxMessage:
-    """``message`` carrying, if it is a resume message, how many runs already failed in place."""
-    if message.properties.get("type") != TYPE_RESUME:
-        return message
-    headers = {**(message.properties.get("headers") or {}), HEADER_PRIOR_ATTEMPTS: attempts}
+def with_attempts(message: OutboxMessage, attempts: int) -> OutboxMessage:
+    """``message`` carrying how many runs of its handler already failed (``HEADER_ATTEMPTS``)."""
+    headers = {**(message.properties.get("headers") or {}), HEADER_ATTEMPTS: attempts}
     return replace(message, properties={**message.properties, "headers": headers})
 
 

@@ -22,7 +22,7 @@ from events import OutboxMessage
 from workers.broker import Broker, BrokerUnavailable, Delivery, Unroutable
 from workers.brokers.amqp import AmqpBroker
 from workers.brokers.memory import InMemoryBroker, InMemoryConnection
-from workers.topology import clear_policy
+from workers.topology import clear_policy, policy_definition
 from workers.wire import Names
 
 from ..support import Services, close_broker_connections, delete_topology, fresh_prefix
@@ -87,6 +87,8 @@ class Backend:
     names: Names
     open: Callable[[], Awaitable[Broker]]
     drop: Callable[[Broker], Awaitable[None]]
+    delivery_limit: int
+    """The broker's own delivery limit for the deployment's queues (its policy)."""
 
 
 class BrokerContract:
@@ -236,14 +238,14 @@ class BrokerContract:
     async def test_past_the_delivery_limit_the_broker_dead_letters_the_message(
         self, backend: Backend
     ) -> None:
-        """(limit 2 in every backend's fixture) a message requeued until the limit ends in the
-        dead-letter queue, with the broker's own reason."""
+        """A message requeued past the broker's limit ends in the dead-letter queue, with the
+        broker's own reason."""
         broker = await backend.open()
         await broker.declare(backend.names, [AGENT])
         inbox = Inbox()
         await broker.consume(backend.names.tasks(AGENT), inbox, prefetch=1)
         await broker.publish(message(backend.names, 1))
-        for count in range(1, 4):
+        for count in range(1, backend.delivery_limit + 2):
             deliveries = await inbox.wait_for(count)
             await broker.requeue(deliveries[-1])
         dead = Inbox()
@@ -295,7 +297,7 @@ class TestAmqpBroker(BrokerContract):
             broker = AmqpBroker(
                 services.amqp_url,
                 connection_name=f"waystation contract {uuid.uuid4()}",
-                delivery_limit=2,
+                delivery_limit=1,
                 policy="rabbitmqctl",
             )
             await broker.connect()
@@ -307,7 +309,11 @@ class TestAmqpBroker(BrokerContract):
             assert await close_broker_connections(broker.connection_name) == 1
             await eventually(lambda: not broker.connected, "the connection to drop")
 
-        yield Backend(names, open_one, drop)
+        # Waystation's own limits come first; the broker's policy is the backstop past them
+        (_, policy) = policy_definition(names, 1)
+        limit = policy["delivery-limit"]
+        assert isinstance(limit, int)
+        yield Backend(names, open_one, drop, limit)
         for broker in opened:
             await broker.close()
         await delete_topology(services.amqp_url, names.prefix, [AGENT])
@@ -331,7 +337,7 @@ class TestInMemoryBroker(BrokerContract):
             assert isinstance(broker, InMemoryConnection)
             broker.drop()
 
-        return Backend(Names(fresh_prefix()), open_one, drop)
+        return Backend(Names(fresh_prefix()), open_one, drop, delivery_limit=2)
 
     async def test_under_4_3_counting_a_requeue_raises_only_the_acquired_count(self) -> None:
         """RabbitMQ 4.3: ``x-delivery-count`` no longer counts a requeue, ``x-acquired-count``

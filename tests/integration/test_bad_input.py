@@ -47,7 +47,7 @@ from ..support import (
 
 pytestmark = pytest.mark.integration
 
-MAX_BODY = 2048
+MAX_BODY = 4096
 MAX_HEADERS = 1024
 
 
@@ -146,6 +146,48 @@ BAD: dict[str, Bad] = {
         "unknown-task",
         dumps({"extend_by": 5}),
         {"correlation_id": f"nobody-{uuid.uuid4()}:1:0", "type": "progress"},
+    ),
+    # defect d: JSON that parses but that the log cannot store used to loop to the delivery
+    # limit, with no reason given and no answer to its publisher
+    "task: NUL in the body": Bad(
+        "tasks", "unstorable", b'{"n": 1, "note": "a\\u0000b"}', _task_props(), True
+    ),
+    "task: nested 300 deep": Bad(
+        "tasks", "unstorable", b"[" * 300 + b"]" * 300, _task_props(), True
+    ),
+    "task: nested 1,000 deep": Bad(
+        "tasks", "unstorable", b"[" * 1000 + b"]" * 1000, _task_props(), True
+    ),
+    "task: NUL in the message_id": Bad(
+        "tasks",
+        "invalid-property",
+        dumps({"n": 1}),
+        {"message_id": "bad\x00id", "correlation_id": "c"},
+        True,
+    ),
+    "task: NUL in the correlation_id": Bad(
+        "tasks",
+        "invalid-property",
+        dumps({"n": 1}),
+        _task_props(correlation_id="c\x00"),
+        True,
+    ),
+    "task: NUL in the trace header": Bad(
+        "tasks",
+        "invalid-property",
+        dumps({"n": 1}),
+        _task_props(headers={"x-waystation-trace-id": "trace\x00"}),
+        True,
+    ),
+    "cancel: a task id no index can hold": Bad(
+        "tasks",
+        "wrong-shape",
+        dumps({"task_id": "t" * 3000}),
+        _task_props(type="cancel"),
+        True,
+    ),
+    "reply: NUL in the correlation_id": Bad(
+        "replies", "invalid-property", dumps({"status": "ok"}), {"correlation_id": "t:1:0\x00"}
     ),
 }
 
@@ -375,3 +417,57 @@ async def serves_normally_boss(
 
 async def _has(store: PostgresEventStore, task_id: str, event_type: str) -> bool:
     return event_type in await stream_types(store, task_id)
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        (b'{"status": "ok", "result": "a\\u0000b"}', "NUL character"),
+        (b'{"status": "ok", "result": ' + b"[" * 400 + b"]" * 400 + b"}", "nests deeper"),
+    ],
+    ids=["NUL", "too deep"],
+)
+async def test_a_reply_the_log_cannot_store_fails_its_call_at_once_and_is_dead_lettered(
+    body: bytes,
+    problem: str,
+    settings: Settings,
+    store: PostgresEventStore,
+    amqp_channel: AbstractChannel,
+    extra_agents: list[str],
+) -> None:
+    """Defect d: such a reply used to loop to the delivery limit, with no reason anywhere, and
+    its call then waited for its deadline to be recorded as a timeout. Now the call records an
+    ``unstorable-reply`` error at once (the task goes on) and the reply is a dead letter."""
+    extra_agents.extend(["boss", "ghost"])
+    names = Names(settings.queue_prefix)
+    ghost = await declare_quorum_queue(amqp_channel, names.tasks("ghost"))
+    async with (
+        running_worker(peer_app(), settings, store) as worker,
+        RecordingClient(settings.amqp_url, queue_prefix=settings.queue_prefix) as client,
+    ):
+        task_id = await client.submit("boss", {"k": 1})
+        [request] = await take(ghost, 1)
+        assert request.reply_to
+        await publish_raw(
+            amqp_channel,
+            request.reply_to,
+            body,
+            correlation_id=request.correlation_id,
+            message_id="unstorable",
+        )
+        result = await client.result(task_id, timeout=20)
+        [dead] = await dead_letters(amqp_channel, names, 1)
+        assert counter(worker, "processing_errors") == 0, worker.stats.counters
+    assert result.ok, result
+    [[outcome, value]] = result.result
+    assert (outcome, value) == ("error", None)
+    headers = dead.headers or {}
+    assert headers["x-waystation-reason"] == "unstorable"
+    assert problem in headers["x-waystation-detail"]
+    assert dead.body == body
+    events = await store.read_stream(task_id)
+    [recorded] = [e for e in events if e.event_type == "ResultRecorded"]
+    assert recorded.data["outcome"] == "error"
+    assert recorded.data["error"]["type"] == "unstorable-reply"
+    assert problem in recorded.data["error"]["message"]
+    assert chain_problems(events) == []

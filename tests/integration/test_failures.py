@@ -1,8 +1,10 @@
-"""A failing handler: retried by redelivery up to the delivery limit, then recorded as failed,
-answered with an error and dead-lettered (``handler-failed``); an invalid outcome fails at once.
+"""A failing handler: retried up to the delivery limit, then recorded as failed, answered with an
+error and dead-lettered (``handler-failed``); an invalid outcome, or one the log cannot store,
+fails at once.
 
-The tests run with ``broker_policy="none"``: nothing but the worker itself counts attempts (from
-the quorum queue's ``x-delivery-count``) and dead-letters, so what they see is the worker's doing.
+The tests run with ``broker_policy="none"``: nothing but the worker itself counts attempts (a
+retry is a copy sent back to the queue carrying ``x-waystation-attempts``) and dead-letters, so
+what they see is the worker's doing.
 """
 
 from __future__ import annotations
@@ -75,6 +77,24 @@ def failing_app(invocations: Counter[tuple[str, int]]) -> App:
         invocations[task.task_id, task.pause] += 1
         return Pause([Call("ghost", timeout=math.inf)])
 
+    @app.agent("nan-result")
+    async def nan_result(task: TaskContext) -> Outcome:
+        invocations[task.task_id, task.pause] += 1
+        return Complete({"score": math.nan})
+
+    @app.agent("nul-result")
+    async def nul_result(task: TaskContext) -> Outcome:
+        invocations[task.task_id, task.pause] += 1
+        return Complete({"text": "a\x00b"})
+
+    @app.agent("deep-call")
+    async def deep_call(task: TaskContext) -> Outcome:
+        invocations[task.task_id, task.pause] += 1
+        nested: Any = 1
+        for _ in range(300):
+            nested = [nested]
+        return Pause([Call("ghost", nested)])
+
     @app.agent("bad-resume")
     async def bad_resume(task: TaskContext) -> Outcome:
         """Pauses on ``ghost``; on resume raises, or returns an invalid outcome."""
@@ -83,6 +103,8 @@ def failing_app(invocations: Counter[tuple[str, int]]) -> App:
             return Pause([Call("ghost", {"x": 1})])
         if task.input["how"] == "raise":
             raise ValueError(f"cannot use {task.results[0].value!r}")
+        if task.input["how"] == "unstorable":
+            return Complete({"total": math.inf})
         return Pause([Call("ghost", timeout=-1)])
 
     return app
@@ -105,6 +127,9 @@ async def ghost(
             "returns-none",
             "bad-state",
             "endless-call",
+            "nan-result",
+            "nul-result",
+            "deep-call",
             "bad-resume",
             "ghost",
         ]
@@ -176,8 +201,13 @@ async def test_a_handler_that_fails_twice_then_succeeds_completes_normally(
     [
         ("empty-pause", "a pause needs at least one call"),
         ("returns-none", "returned NoneType, not Complete or Pause"),
-        ("bad-state", "state values must be JSON"),
+        ("bad-state", "cannot be stored: a value of type object is not JSON"),
         ("endless-call", "must be a positive number"),
+        # defect a: outcomes the log cannot store used to fail inside the commit, taken for a
+        # transient error, and were retried until the broker dead-lettered them silently
+        ("nan-result", "the result cannot be stored: a number is NaN or infinite"),
+        ("nul-result", "the result cannot be stored: a string holds a NUL character"),
+        ("deep-call", "the input of call 0 cannot be stored: it nests deeper than 128 levels"),
     ],
 )
 async def test_an_invalid_outcome_fails_at_once_without_retries(
@@ -206,7 +236,7 @@ async def test_an_invalid_outcome_fails_at_once_without_retries(
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "by-message"])
-@pytest.mark.parametrize(("how", "runs"), [("raise", LIMIT), ("invalid", 1)])
+@pytest.mark.parametrize(("how", "runs"), [("raise", LIMIT), ("invalid", 1), ("unstorable", 1)])
 async def test_a_failure_in_a_resumed_run_fails_the_task_after_its_retries(
     how: str,
     runs: int,
@@ -231,7 +261,7 @@ async def test_a_failure_in_a_resumed_run_fails_the_task_after_its_retries(
         result = await client.result(task_id, timeout=20)
         # an invalid outcome in place fails in the reply's own append: no resume message exists
         # to dead-letter (the reply itself was fine)
-        dead_lettered = not (in_place and how == "invalid")
+        dead_lettered = not (in_place and how != "raise")
         dead = (await dead_letters(amqp_channel, names, 1))[0] if dead_lettered else None
         await asyncio.sleep(0.3)
         assert counter(worker, "tasks_failed") == 1

@@ -11,6 +11,7 @@ replies for unknown calls and resume messages arrive.
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
@@ -61,17 +62,20 @@ Outcome = Literal["ok", "error", "timeout"]
 
 # ---- strategies ----------------------------------------------------------------------------------
 
+# what the log can store: no NUL character (jsonb refuses it), no NaN or infinity
+storable_text = st.text(alphabet=st.characters(exclude_characters="\x00"), max_size=8)
 json_scalars = (
     st.none()
     | st.booleans()
     | st.integers(min_value=-(2**63), max_value=2**63 - 1)
     | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=8)
+    | storable_text
 )
 json_values = st.recursive(
     json_scalars,
     lambda children: (
-        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3)
+        st.lists(children, max_size=3)
+        | st.dictionaries(storable_text.filter(lambda k: len(k) <= 4), children, max_size=3)
     ),
     max_leaves=8,
 )
@@ -772,6 +776,62 @@ def test_a_bad_pause_is_an_invalid_transition(
         decide_outcome(
             state, Pause(calls=calls), now=NOW, default_timeout=default_timeout, start=start
         )
+
+
+def _nested(depth: int) -> Any:
+    value: Any = "leaf"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+UNSTORABLE = {
+    "nan": math.nan,
+    "infinity": [1, -math.inf],
+    "nul in a string": {"text": "a\x00b"},
+    "nul in a key": {"a\x00": 1},
+    "not json": {"when": object()},
+    "a set": {1, 2},
+    "beyond 64 bits": 2**70,
+    "too deep": _nested(300),
+}
+
+
+@pytest.mark.parametrize("value", UNSTORABLE.values(), ids=UNSTORABLE.keys())
+@pytest.mark.parametrize("status", ["new", "resumed"])
+@pytest.mark.parametrize("where", ["result", "call input", "state update"])
+def test_an_outcome_the_log_cannot_store_is_refused_before_anything_is_appended(
+    value: Any, status: str, where: str
+) -> None:
+    """Defect a: such an outcome used to fail inside the commit, as an error the worker took for
+    transient, so it was retried to the delivery limit (or a resumed task stayed resumed)."""
+    if status == "new":
+        state, start = TaskState(task_id="t"), started("t")
+    else:
+        log = paused_task("t", calls=1)
+        deliver(log, "t:1:0", "m")
+        state, start = log.state(), None
+    outcome: Complete | Pause = {
+        "result": Complete(value),
+        "call input": Pause(calls=[Call("p", value)]),
+        "state update": Pause(calls=[Call("p")], update={"k": value}),
+    }[where]
+    with pytest.raises(InvalidTransition, match="cannot be stored"):
+        decide_outcome(
+            state, outcome, now=NOW, default_timeout=1, start=start, record_completion=True
+        )
+
+
+def test_a_call_must_name_an_agent_a_queue_can_have() -> None:
+    for agent in ("x" * 201, "a\x00b"):
+        with pytest.raises(InvalidTransition, match="names no agent"):
+            decide_outcome(
+                TaskState(task_id="t"),
+                Pause(calls=[Call(agent)]),
+                now=NOW,
+                default_timeout=1,
+                start=started("t"),
+            )
 
 
 def test_state_keys_must_be_strings() -> None:

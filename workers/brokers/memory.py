@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -54,6 +55,12 @@ class StoredMessage:
     delivered: bool = False
     delivery_count: int = 0
     acquired_count: int = 0
+    enqueued_at: float = 0.0
+    """The loop's time when the broker took it."""
+    fate: str | None = None
+    """``acked``, ``dead-lettered`` or ``dropped`` once it left its queue for good."""
+    published_by: int = 0
+    """``id`` of the asyncio task that published it (for a simulation's invariants)."""
 
     def header_view(self) -> dict[str, Any]:
         headers = dict(self.headers)
@@ -95,6 +102,7 @@ class InMemoryBroker:
         latency: Latency | None = None,
         rng: random.Random | None = None,
         duplicate_rate: float = 0.0,
+        keep_ledger: bool = False,
     ) -> None:
         self.delivery_limit = delivery_limit
         self.counting = counting
@@ -106,6 +114,13 @@ class InMemoryBroker:
         self._fanouts: dict[str, list[str]] = {}
         self._tags = 0
         self.connections: list[InMemoryConnection] = []
+        self.keep_ledger = keep_ledger
+        self.duplicated = 0
+        """Messages enqueued twice (``duplicate_rate``)."""
+        self.returned = 0
+        """Deliveries taken back unsettled because their connection dropped or was killed."""
+        self.ledger: list[StoredMessage] = []
+        """With ``keep_ledger``: every message the broker took, in order, with its fate."""
 
     # ---- administration (what a broker's operator or a test does) ----------------------------
 
@@ -115,6 +130,8 @@ class InMemoryBroker:
     def delete_queue(self, name: str) -> None:
         queue = self.queues.pop(name, None)
         if queue is not None:
+            for message in queue.ready:
+                message.fate = "dropped"
             for consumer in queue.consumers:
                 consumer.connection.forget(consumer)
 
@@ -153,16 +170,22 @@ class InMemoryBroker:
             **{k: message.properties.get(k) for k in _PROPERTIES if k != "message_id"},
         }
         copies = 2 if self.duplicate_rate and self._rng.random() < self.duplicate_rate else 1
+        self.duplicated += copies - 1
+        now = asyncio.get_running_loop().time()
+        publisher = id(asyncio.current_task())
         for name in queues:
             for _ in range(copies):
-                self.queues[name].ready.append(
-                    StoredMessage(
-                        message.body,
-                        dict(properties),
-                        dict(message.properties.get("headers") or {}),
-                        message.routing_key,
-                    )
+                stored = StoredMessage(
+                    message.body,
+                    dict(properties),
+                    dict(message.properties.get("headers") or {}),
+                    message.routing_key,
+                    enqueued_at=now,
+                    published_by=publisher,
                 )
+                self.queues[name].ready.append(stored)
+                if self.keep_ledger:
+                    self.ledger.append(stored)
         self.pump()
 
     def give_back(self, queue_name: str, message: StoredMessage) -> None:
@@ -174,6 +197,7 @@ class InMemoryBroker:
             message.acquired_count += 1
         queue = self.queues.get(queue_name)
         if queue is None:
+            message.fate = "dropped"
             return
         if queue.delivery_limit is not None and message.delivery_count > queue.delivery_limit:
             self._dead_letter(queue, message, "delivery_limit")
@@ -182,17 +206,29 @@ class InMemoryBroker:
         self.pump()
 
     def _dead_letter(self, queue: _Queue, message: StoredMessage, reason: str) -> None:
-        if queue.dead_letter_exchange is None:
-            return  # dropped, as RabbitMQ drops it without a dead-letter exchange
+        targets = (
+            self.route(queue.dead_letter_exchange, message.routing_key)
+            if queue.dead_letter_exchange is not None
+            else []
+        )
+        # without a dead-letter queue, RabbitMQ drops it
+        message.fate = "dead-lettered" if targets else "dropped"
         headers = {
             **message.header_view(),
             "x-first-death-reason": reason,
             "x-first-death-queue": queue.name,
         }
-        for target in self.route(queue.dead_letter_exchange, message.routing_key):
-            self.queues[target].ready.append(
-                StoredMessage(message.body, dict(message.properties), headers, queue.name)
+        for target in targets:
+            copy = StoredMessage(
+                message.body,
+                dict(message.properties),
+                headers,
+                queue.name,
+                enqueued_at=message.enqueued_at,
             )
+            self.queues[target].ready.append(copy)
+            if self.keep_ledger:
+                self.ledger.append(copy)
 
     def pump(self) -> None:
         """Hand ready messages to consumers with room, round robin within each queue."""
@@ -237,6 +273,9 @@ class InMemoryConnection(Broker):
         self._wanted: list[tuple[str, DeliveryHandler, int]] = []
         self._consumers: list[_Consumer] = []
         self._running: dict[int, asyncio.Task[None]] = {}
+        self._context = contextvars.copy_context()
+        self.on_sent: Callable[[OutboxMessage], None] | None = None
+        """Called when a publish reached the broker and its confirm is on its way back."""
 
     async def _wait(self, step: str) -> None:
         await asyncio.sleep(self.broker.latency(step) if self.broker.latency else 0)
@@ -250,6 +289,9 @@ class InMemoryConnection(Broker):
         if self._dead:
             raise BrokerUnavailable(f"connection {self.name!r} was killed")
         await self._wait("connect")
+        # deliveries run in the context of whoever connected (as aiormq's reader task does),
+        # each in a copy of its own
+        self._context = contextvars.copy_context()
         self._up = True
 
     async def close(self) -> None:
@@ -322,7 +364,9 @@ class InMemoryConnection(Broker):
             finally:
                 self._running.pop(tag, None)
 
-        self._running[tag] = asyncio.get_running_loop().create_task(run())
+        self._running[tag] = asyncio.get_running_loop().create_task(
+            run(), context=self._context.copy()
+        )
 
     async def publish(self, message: OutboxMessage) -> None:
         epoch = self._require_up()
@@ -332,6 +376,8 @@ class InMemoryConnection(Broker):
         queues = self.broker.route(message.exchange, message.routing_key)
         if queues:
             self.broker.enqueue(queues, message)
+        if self.on_sent is not None:
+            self.on_sent(message)
         await self._wait("confirm")
         if not self._up or self._epoch != epoch:  # kept (if routed), but the confirm is lost
             raise BrokerUnavailable(f"connection {self.name!r} dropped before the confirm")
@@ -354,7 +400,7 @@ class InMemoryConnection(Broker):
         epoch = self._epoch
         await self._wait("ack")
         if self._epoch == epoch and tag in consumer.unacked:  # else the ack was lost in the drop
-            del consumer.unacked[tag]
+            consumer.unacked.pop(tag).fate = "acked"
             self.broker.pump()
 
     async def requeue(self, delivery: Delivery) -> None:
@@ -383,6 +429,7 @@ class InMemoryConnection(Broker):
             if queue is not None and consumer in queue.consumers:
                 queue.consumers.remove(consumer)
             unacked, consumer.unacked = consumer.unacked, {}
+            self.broker.returned += len(unacked)
             for tag, message in unacked.items():
                 task = self._running.pop(tag, None)
                 if task is not None:

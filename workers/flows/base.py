@@ -26,10 +26,10 @@ from ..faults import FaultPlan
 from ..observer import Observer
 from ..recorder import Cause, Recorder
 from ..settings import Settings
-from ..settle import Settled, attempt_of, dead, requeue
-from ..wire import Names
+from ..settle import Settled, Settler, attempt_of, crash_limit, dead, retry
+from ..wire import Names, ResultEnvelope, result_message
 
-__all__ = ["Flows", "copy_json", "error_of", "resume_context"]
+__all__ = ["DeliveryLimitReached", "Flows", "copy_json", "error_of", "resume_context"]
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +38,15 @@ def copy_json(value: Any) -> Any:
     return loads(dumps(value))
 
 
+class DeliveryLimitReached(Exception):
+    """The message was delivered more times than the delivery limit allows without being
+    settled: its runs failed, or its workers died holding it (a poison message)."""
+
+
 def error_of(error: BaseException) -> dict[str, str]:
-    return {"type": type(error).__name__, "message": str(error)[:2000]}
+    # what an exception says is not ours to trust: a NUL would make the failure unstorable too
+    message = str(error)[:2000].replace("\x00", "\\u0000")
+    return {"type": type(error).__name__, "message": message}
 
 
 def resume_context(spec: AgentSpec, state: TaskState) -> TaskContext:
@@ -69,6 +76,7 @@ class Flows:
     observer: Observer
     clock: Callable[[], float]
     faults: FaultPlan
+    settler: Settler
 
     def default_timeout(self, spec: AgentSpec) -> float:
         return spec.default_timeout or self.settings.default_call_timeout
@@ -81,6 +89,20 @@ class Flows:
             )
         return outcome
 
+    def out_of_attempts(self, delivery: Delivery) -> DeliveryLimitReached | None:
+        """Why ``delivery`` must not be handled again, if it must not: its workers kept dying
+        while they held it (a poison message). A death is weaker evidence against a message
+        than its handler raising, and a task that calls no peers may have answered before its
+        worker died, so deaths get twice the delivery limit (``crash_limit``)."""
+        returns = delivery.broker_count
+        limit = crash_limit(self.settings.delivery_limit)
+        if returns <= limit:
+            return None
+        return DeliveryLimitReached(
+            f"taken back unsettled {returns} times (its workers died holding it), "
+            f"more than the {limit} allowed"
+        )
+
     async def handler_failed(
         self,
         delivery: Delivery,
@@ -89,11 +111,12 @@ class Flows:
         *,
         start: TaskStarted | None = None,
     ) -> Settled:
-        """Retry by redelivery, or, on the last attempt (or for an invalid outcome), record the
-        failure, answer the publisher with an error (through the outbox) and dead-letter."""
+        """Retry (a copy counting this failed run goes back to the queue), or, on the last
+        attempt (or for an outcome that can never be recorded), record the failure, answer the
+        publisher with an error (through the outbox) and dead-letter."""
         attempt = attempt_of(delivery)
         limit = self.settings.delivery_limit
-        permanent = isinstance(error, InvalidTransition)
+        permanent = isinstance(error, (InvalidTransition, DeliveryLimitReached))
         if not permanent and attempt < limit:
             log.warning(
                 "task %s: handler raised %s (attempt %d of %d); retrying",
@@ -104,7 +127,7 @@ class Flows:
             )
             self.observer.count("handler_retries")
             await asyncio.sleep(min(0.2 * 2 ** (attempt - 1), 5.0))
-            return requeue()
+            return retry(attempt)
         failure = error_of(error)
         log.error(
             "task %s failed for good after %d attempt(s): %s", state.task_id, attempt, failure
@@ -119,5 +142,17 @@ class Flows:
             describe_new=lambda _: state,
         )
         detail = f"{failure['type']}: {failure['message']}"
-        # the error result goes out through the outbox with TaskFailed; tell directly otherwise
-        return dead("handler-failed", detail, tell_publisher=not applied.events)
+        if not applied.events:
+            # finished before (a retry of a failure already recorded, or a cancel): what the
+            # log holds is the answer, and its outbox already carried it
+            await self.answer_cancelled_before_start(delivery, applied.state)
+        return dead("handler-failed", detail)
+
+    async def answer_cancelled_before_start(self, delivery: Delivery, state: TaskState) -> None:
+        """A task cancelled before its first run was recorded has a stream holding only the
+        cancellation, which knows nothing of its publisher: only its own message does. Tell it."""
+        if state.status == "cancelled" and state.agent is None and delivery.reply_to:
+            envelope = ResultEnvelope("cancelled", error=state.error, task_id=state.task_id)
+            await self.settler.answer(
+                result_message(state.task_id, delivery.reply_to, delivery.correlation_id, envelope)
+            )

@@ -18,7 +18,9 @@ from ..settle import Settled, ack, dead
 from ..wire import ResultEnvelope, result_message
 from .base import Flows
 
-__all__ = ["handle_cancel"]
+__all__ = ["MAX_TASK_ID", "handle_cancel"]
+
+MAX_TASK_ID = 255
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,14 @@ async def handle_cancel(flows: Flows, delivery: Delivery, spec: AgentSpec, body:
             tell_publisher=True,
         )
     task_id = body["task_id"]
+    if len(task_id) > MAX_TASK_ID or not task_id:
+        # a task id is a message id (at most 255 bytes in AMQP): a longer one names no task,
+        # and no index row could hold it
+        return dead(
+            "wrong-shape",
+            f"a cancel's task_id is 1 to {MAX_TASK_ID} characters",
+            tell_publisher=True,
+        )
     reason = body.get("reason") if isinstance(body.get("reason"), str) else None
     applied = await flows.recorder.append_decision(
         task_id,
@@ -45,7 +55,7 @@ async def handle_cancel(flows: Flows, delivery: Delivery, spec: AgentSpec, body:
     flows.observer.count("cancels_applied" if applied.events else "cancels_ignored")
     if delivery.reply_to:
         envelope = ResultEnvelope("ok", result={"task_id": task_id, "status": status})
-        await flows.broker.publish(
+        await flows.settler.answer(
             result_message(
                 f"{task_id}:cancel", delivery.reply_to, delivery.correlation_id, envelope
             )

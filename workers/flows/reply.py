@@ -23,6 +23,7 @@ from events import (
     NewEvent,
     Pause,
     RecordedEvent,
+    ReplyIgnored,
     SubtaskClaimed,
     TaskResumed,
     TaskState,
@@ -35,12 +36,13 @@ from events import (
 from events.chain import recorded_events
 
 from ..broker import Delivery
-from ..recorder import Cause, Extension
+from ..intake import Rejection
+from ..recorder import Applied, Cause, Extension
 from ..settle import Settled, ack, dead
 from ..wire import ResultEnvelope
 from .base import Flows, error_of, resume_context
 
-__all__ = ["handle_reply", "record_unroutable", "subtask_of"]
+__all__ = ["handle_reply", "handle_unstorable_reply", "record_unroutable", "subtask_of"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,39 @@ async def handle_reply(flows: Flows, delivery: Delivery, body: Any) -> Settled:
     outcome: Literal["ok", "error"] = "ok" if envelope.status == "ok" else "error"
     value = envelope.result if outcome == "ok" else None
     error = envelope.error if outcome == "ok" else envelope.error or {"type": envelope.status}
+    applied = await _record(flows, delivery, task_id, subtask, outcome, value, error)
+    if not applied.state.exists:
+        return dead("unknown-task", f"no task {task_id!r} in the log")
+    if not applied.events:
+        flows.observer.count("redelivered_recognised")
+    return ack(applied.checkpoint_started)
+
+
+async def handle_unstorable_reply(flows: Flows, delivery: Delivery, why: Rejection) -> Settled:
+    """A reply whose body the log cannot store fails its call now, as an error saying why,
+    rather than at its deadline; the reply itself is dead-lettered for whoever sent it."""
+    found = subtask_of(delivery)
+    if isinstance(found, Settled):
+        return found
+    task_id, subtask = found
+    error = {"type": "unstorable-reply", "message": why.detail}
+    applied = await _record(flows, delivery, task_id, subtask, "error", None, error)
+    if not applied.state.exists:
+        return dead("unknown-task", f"no task {task_id!r} in the log")
+    return dead(why.reason, why.detail)
+
+
+async def _record(
+    flows: Flows,
+    delivery: Delivery,
+    task_id: str,
+    subtask: str,
+    outcome: Literal["ok", "error"],
+    value: Any,
+    error: Any,
+) -> Applied:
+    """Claim ``subtask`` with this result (resuming in place when it is the last), or record the
+    reply for audit when it cannot be applied."""
 
     def decide(state: TaskState) -> list[DomainEvent]:
         if not state.exists:
@@ -85,8 +120,6 @@ async def handle_reply(flows: Flows, delivery: Delivery, body: Any) -> Settled:
     def key(events: list[DomainEvent]) -> str:
         if isinstance(events[0], SubtaskClaimed):
             return f"reply:{subtask}"
-        log.info("reply for %s not applied: %s", subtask, getattr(events[0], "reason", "?"))
-        flows.observer.count("replies_ignored")
         return f"ignored:{subtask}:{delivery.message_id or uuid.uuid4()}"
 
     cause = Cause.of(delivery)
@@ -99,11 +132,10 @@ async def handle_reply(flows: Flows, delivery: Delivery, body: Any) -> Settled:
     applied = await flows.recorder.append_decision(
         task_id, decide, key=key, cause=cause, step="reply", extend=resume_here
     )
-    if not applied.state.exists:
-        return dead("unknown-task", f"no task {task_id!r} in the log")
-    if not applied.events:
-        flows.observer.count("redelivered_recognised")
-    return ack(applied.checkpoint_started)
+    if applied.events and isinstance(applied.events[0], ReplyIgnored):
+        log.info("reply for %s not applied: %s", subtask, applied.events[0].reason)
+        flows.observer.count("replies_ignored")
+    return applied
 
 
 async def _resume_in_place(

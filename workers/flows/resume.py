@@ -36,6 +36,9 @@ async def handle_resume(flows: Flows, delivery: Delivery, spec: AgentSpec, body:
         flows.observer.duplicate("duplicate_resumes")
         return ack()
     try:
+        spent = flows.out_of_attempts(delivery)
+        if spent is not None:
+            raise spent
         outcome = await flows.run_handler(spec, resume_context(spec, state))
     except Exception as error:
         return await flows.handler_failed(delivery, state, error)

@@ -18,7 +18,14 @@ from ..agent import AgentSpec, TaskContext
 from ..broker import Delivery
 from ..recorder import Cause
 from ..settle import Settled, ack, dead
-from ..wire import HEADER_ROOT, HEADER_TRACE, ResultEnvelope, result_message, trace_id_of
+from ..wire import (
+    HEADER_ATTEMPTS,
+    HEADER_ROOT,
+    HEADER_TRACE,
+    ResultEnvelope,
+    result_message,
+    trace_id_of,
+)
 from .base import Flows
 
 __all__ = ["handle_task"]
@@ -32,10 +39,12 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
         return dead(
             "missing-property", "a task needs a message_id (its task id)", tell_publisher=True
         )
-    if delivery.redelivered and (await flows.recorder.load(task_id)).exists:
-        log.info("task %s redelivered after it was recorded; acking", task_id)
-        flows.observer.duplicate("redelivered_recognised")
-        return ack()
+    if delivery.redelivered or HEADER_ATTEMPTS in delivery.headers:
+        # it may have been recorded already: by its first holder, or by the run a retry of
+        # its own came from (a worker that died between retrying and acking leaves both)
+        recorded = await flows.recorder.load(task_id)
+        if recorded.exists:
+            return await _already_recorded(flows, delivery, recorded)
     trace_id = trace_id_of(delivery.headers, task_id)
     root_id = str(delivery.headers.get(HEADER_ROOT) or task_id)
     state = TaskState(
@@ -57,6 +66,9 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
         task_id=task_id, agent=spec.name, input=payload, trace_id=trace_id, root_task_id=root_id
     )
     try:
+        spent = flows.out_of_attempts(delivery)
+        if spent is not None:
+            raise spent
         outcome = await flows.run_handler(spec, context)
         returned_at = time.perf_counter()
         events = decide_outcome(
@@ -74,8 +86,13 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
         # completed without peers: nothing to record (G10); the answer is the only effect
         assert isinstance(outcome, Complete)
         if delivery.reply_to:
+            # ...unless a cancel was recorded meanwhile: then the answer is that (b). Read right
+            # before answering, so only a cancel committed in between can cross the answer
+            recorded = await flows.recorder.load(task_id)
+            if recorded.exists:
+                return await _already_recorded(flows, delivery, recorded)
             envelope = ResultEnvelope("ok", result=outcome.result, task_id=task_id)
-            await flows.broker.publish(
+            await flows.settler.answer(
                 result_message(
                     task_id,
                     delivery.reply_to,
@@ -91,19 +108,16 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
             state, events, "run", Cause.of(delivery), step="pause", history=[]
         )
     except VersionConflict:
-        return await _already_recorded(flows, delivery, task_id)
+        return await _already_recorded(flows, delivery, await flows.recorder.load(task_id))
     return ack(returned_at if isinstance(outcome, Pause) else None)
 
 
-async def _already_recorded(flows: Flows, delivery: Delivery, task_id: str) -> Settled:
-    """The task's stream exists: another delivery recorded it first, or it was cancelled."""
-    state = await flows.recorder.load(task_id)
-    if state.status == "cancelled" and state.agent is None and delivery.reply_to:
-        # cancelled before its first run was recorded: only this message knows its publisher
-        envelope = ResultEnvelope("cancelled", error=state.error, task_id=task_id)
-        await flows.broker.publish(
-            result_message(task_id, delivery.reply_to, delivery.correlation_id, envelope)
-        )
-    log.info("task %s is already recorded (%s); acking", task_id, state.status)
-    flows.observer.duplicate("duplicate_tasks")
+async def _already_recorded(flows: Flows, delivery: Delivery, state: TaskState) -> Settled:
+    """The task's stream exists: another delivery recorded it first (its outbox answers the
+    publisher), or it was cancelled before its first run was recorded (answered here)."""
+    await flows.answer_cancelled_before_start(delivery, state)
+    log.info("task %s is already recorded (%s); acking", state.task_id, state.status)
+    flows.observer.duplicate(
+        "redelivered_recognised" if delivery.redelivered else "duplicate_tasks"
+    )
     return ack()

@@ -1,0 +1,130 @@
+"""A world for one embedded test: an in-memory broker and store, workers, and a publisher."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from events import OutboxMessage
+from events.codec import dumps, loads
+from events.memory import InMemoryEventStore
+from workers.agent import App
+from workers.broker import Delivery
+from workers.brokers.memory import InMemoryBroker, InMemoryConnection
+from workers.runtime import Worker
+from workers.settings import Settings
+from workers.topology import policy_definition
+from workers.wire import CONTENT_TYPE, Names
+
+PREFIX = "mem."
+RESULTS = "mem.test-results"
+WITHIN = 30.0
+
+
+def settings(**overrides: Any) -> Settings:
+    base = {
+        "queue_prefix": PREFIX,
+        "broker_policy": "none",
+        "delivery_limit": 3,
+        "outbox_delay": 1.0,
+        "outbox_poll_interval": 0.2,
+        "sweep_interval": 0.2,
+        "shutdown_grace": 2.0,
+        "metrics_port": 0,
+    }
+    return Settings(**{**base, **overrides})
+
+
+class World:
+    """Workers of ``app`` on one in-memory broker and store; a publisher collecting answers."""
+
+    def __init__(self, app: App, config: Settings, *, counting: str = "classic") -> None:
+        self.app = app
+        self.settings = config
+        self.names = Names(config.queue_prefix)
+        _, policy = policy_definition(self.names, config.delivery_limit)
+        limit = policy["delivery-limit"]
+        assert isinstance(limit, int)
+        self.broker = InMemoryBroker(delivery_limit=limit, counting=counting)  # type: ignore[arg-type]
+        self.store = InMemoryEventStore()
+        self.workers: list[Worker] = []
+        self.answers: dict[str, list[Any]] = defaultdict(list)
+        self.publisher: InMemoryConnection = self.broker.connection("publisher")
+
+    async def start_worker(self, name: str = "w") -> Worker:
+        worker = Worker(
+            self.app,
+            self.settings.model_copy(update={"worker_id": name}),
+            self.store,
+            broker=self.broker.connection(name),
+        )
+        await worker.start()
+        self.workers.append(worker)
+        return worker
+
+    async def open(self) -> None:
+        await self.publisher.connect()
+        await self.publisher.declare(self.names, self.app.agents)
+        self.broker.declare_queue(RESULTS)
+        await self.publisher.consume(RESULTS, self._collect, prefetch=100)
+
+    async def _collect(self, delivery: Delivery) -> None:
+        self.answers[delivery.correlation_id or ""].append(loads(delivery.body))
+        await self.publisher.ack(delivery)
+
+    async def publish(
+        self,
+        agent: str,
+        body: Any,
+        *,
+        message_id: str | None = None,
+        kind: str = "task",
+        reply_to: str | None = RESULTS,
+        correlation_id: str | None = None,
+    ) -> str:
+        message_id = message_id or str(uuid.uuid4())
+        await self.publisher.publish(
+            OutboxMessage(
+                message_id=message_id,
+                routing_key=self.names.tasks(agent),
+                body=dumps(body),
+                properties={
+                    "type": kind,
+                    "correlation_id": correlation_id or message_id,
+                    "reply_to": reply_to,
+                    "content_type": CONTENT_TYPE,
+                },
+            )
+        )
+        return message_id
+
+    async def answer(self, correlation_id: str) -> Any:
+        await eventually(lambda: bool(self.answers.get(correlation_id)), f"{correlation_id}")
+        return self.answers[correlation_id][0]
+
+    async def close(self) -> None:
+        for worker in self.workers:
+            await worker.stop()
+        await self.publisher.close()
+
+
+async def eventually(predicate: Callable[[], bool], what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WITHIN
+    while not predicate():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def world(app: App, config: Settings | None = None, **options: Any) -> AsyncIterator[World]:
+    opened = World(app, config or settings(), **options)
+    await opened.open()
+    try:
+        yield opened
+    finally:
+        await opened.close()
