@@ -1,0 +1,355 @@
+"""What must hold after every simulated run, whatever the faults (issue 11, section 3).
+
+:func:`problems` returns one line per broken invariant (empty when the run is correct):
+
+* every submitted task answers its publisher, and every copy of the answer is the same;
+* the answer agrees with the log: the task's terminal event (or, for a task that completed without
+  peers and so wrote nothing, G10, an ``ok``); a cancel answered ``cancelled`` is in the log;
+* every stream verifies (hash chain, contiguous versions, one claim per sub-task, one resume per
+  pause, nothing after a terminal event) and ends in a terminal event;
+* everything settles within a bound past the last deadline, and every timeout is recorded soon
+  after its deadline, by the database's clock, whatever the workers' clocks say;
+* a handler is retried at most the delivery limit times (plus a run for each delivery a crash or
+  a dropped connection took back), a resumed handler never starts for a task the log says is
+  finished, and no worker meets an exception it did not expect;
+* an outcome the log cannot store fails its task at once, saying so; an answer whose publisher
+  is gone is kept as a dead letter (``unroutable``);
+* no message is left in a queue, unsettled or unpublished, and none disappears: each one the
+  broker took was acked by a consumer or dead-lettered, and every dead letter carries a reason;
+* the paused-tasks projection built along the way from batches of the log equals the one built
+  from the whole log at once, and what folding each stream says.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import UTC, datetime
+from typing import Any
+
+from events import RecordedEvent, canonical, fold
+from events.codec import loads
+from projections.audit import verify_stream
+from projections.model import FeedEvent, PausedTask, fold_paused_tasks
+from workers.sweeper import SWEEP_LEASE
+
+from .loop import EPOCH
+from .world import RESULTS, SETTLE_BOUND, Observed
+
+TIMEOUT_SLACK = 10.0
+"""Seconds past its deadline (the database's clock) by which a timeout must be recorded: a few
+sweep intervals."""
+
+__all__ = ["apply_feed", "problems"]
+
+_TERMINAL = {"TaskCompleted": "ok", "TaskFailed": "error", "TaskCancelled": "cancelled"}
+
+
+def _moment(event: RecordedEvent) -> datetime:
+    return datetime.fromtimestamp(EPOCH + event.global_position, UTC)
+
+
+def _feed(event: RecordedEvent, history: list[RecordedEvent]) -> FeedEvent:
+    """The event as the projections' feed gives it (the SQL of ``projections.postgres``)."""
+    data = event.data
+    started = history[0] if history and history[0].event_type == "TaskStarted" else None
+    kind = event.event_type
+    paused = next((e for e in reversed(history) if e.event_type == "TaskPaused"), None)
+    return FeedEvent(
+        tx_id=event.tx_id,
+        global_position=event.global_position,
+        stream_id=event.stream_id,
+        event_type=kind,
+        recorded_at=_moment(event),
+        task_agent=started.data["agent"] if started else None,
+        subtask_id=data.get("subtask_id"),
+        pause=data.get("pause") if kind in ("TaskPaused", "TaskResumed") else None,
+        outcome=data.get("outcome") if kind == "ResultRecorded" else None,
+        deadline_at=data.get("deadline_at") if kind == "DeadlineExtended" else None,
+        deadlines=(
+            {c["subtask_id"]: c["deadline_at"] for c in data["calls"]}
+            if kind == "TaskPaused"
+            else None
+        ),
+        pending=len(data.get("pending", ())) if kind == "TaskCancelled" else 0,
+        paused_at=_moment(paused) if paused is not None and kind == "TaskResumed" else None,
+        call_agent=None,
+    )
+
+
+def apply_feed(
+    rows: dict[str, Any], streams: dict[str, list[RecordedEvent]], batch: list[RecordedEvent]
+) -> None:
+    """Fold one batch of the log (in commit order) into the paused-tasks ``rows``."""
+    feed = []
+    for event in batch:
+        feed.append(_feed(event, streams[event.stream_id]))
+        streams[event.stream_id].append(event)
+    touched = {e.stream_id for e in batch}
+    changes = fold_paused_tasks({t: rows[t] for t in touched if t in rows}, feed)
+    for task_id in changes.deletes:
+        rows.pop(task_id, None)
+    rows.update(changes.upserts)
+
+
+def _row(row: Any) -> tuple[str, int]:
+    assert isinstance(row, PausedTask)
+    return row.status, row.pause
+
+
+def problems(observed: Observed) -> list[str]:
+    found: list[str] = []
+    scenario = observed.scenario
+    if observed.stalled:
+        found.append(f"the run stalled: {observed.stalled}")
+    streams: dict[str, list[RecordedEvent]] = defaultdict(list)
+    for event in observed.log:
+        streams[event.stream_id].append(event)
+    if observed.settled_at is None:
+        found.append("the run never settled (some task never answered, or messages never drained)")
+    elif observed.settled_at > max(observed.last_deadline, 0.0) + SETTLE_BOUND:
+        found.append(
+            f"settled only at +{observed.settled_at:.0f}s, past the last deadline "
+            f"(+{observed.last_deadline:.0f}s) plus {SETTLE_BOUND:.0f}s"
+        )
+    for spec in scenario.tasks:
+        if spec.gone:
+            found.extend(_gone_problems(observed, spec.task_id))
+        else:
+            found.extend(_task_problems(observed, spec.task_id, spec.agent, streams))
+        if spec.bad:
+            found.extend(_bad_problems(observed, spec.task_id, streams))
+    found.extend(_worker_problems(observed, streams))
+    found.extend(_timeout_problems(observed, streams))
+    for stream_id, events in streams.items():
+        found.extend(f"{stream_id}: {p.kind}: {p.message}" for p in verify_stream(events))
+        decisive = [e for e in events if e.event_type != "ReplyIgnored"]
+        if decisive and decisive[-1].event_type not in _TERMINAL:
+            state = fold(stream_id, events)
+            found.append(f"{stream_id}: left {state.status} at pause {state.pause}")
+    found.extend(_broker_problems(observed))
+    found.extend(_projection_problems(observed, streams))
+    return found
+
+
+def _task_problems(
+    observed: Observed, task_id: str, agent: str, streams: dict[str, list[RecordedEvent]]
+) -> list[str]:
+    found: list[str] = []
+    bodies = observed.results.get(task_id, [])
+    if not bodies:
+        return [f"{task_id}: its publisher never got a result"]
+    distinct = {canonical(loads(body)) for body in bodies}
+    events = streams.get(task_id, [])
+    if len(distinct) > 1 and not _answered_then_cancelled_across_a_crash(observed, task_id, events):
+        found.append(f"{task_id}: different results {sorted(d.decode() for d in distinct)}")
+    answer = loads(bodies[0])
+    terminal = next((e for e in reversed(events) if e.event_type in _TERMINAL), None)
+    if terminal is None:
+        if events:
+            return found  # an unfinished stream is reported with the streams
+        if answer["status"] != "ok" and agent == "researcher":
+            found.append(f"{task_id}: no stream, yet the answer is {answer}")
+        if observed.scenario.audit_all_tasks and answer["status"] == "ok":
+            found.append(f"{task_id}: completed with auditing on, yet its stream is empty")
+        return found
+    expected = _TERMINAL[terminal.event_type]
+    cancelled_before_start = terminal.event_type == "TaskCancelled" and (
+        not events or events[0].event_type != "TaskStarted"
+    )
+    if answer["status"] != expected:
+        if not (cancelled_before_start and answer["status"] == "ok"):
+            found.append(f"{task_id}: answered {answer['status']}, the log says {expected}")
+        elif not _answered_before_the_cancel(observed, task_id, terminal):
+            found.append(f"{task_id}: answered ok after its worker could see the cancel")
+    elif expected == "ok" and canonical(answer.get("result")) != canonical(terminal.data["result"]):
+        found.append(f"{task_id}: answered {answer.get('result')}, the log says {terminal.data}")
+    for reply in observed.cancel_answers.get(task_id, []):
+        status = reply.get("result", {}).get("status") if isinstance(reply, dict) else None
+        if status == "cancelled" and terminal.event_type != "TaskCancelled":
+            found.append(f"{task_id}: a cancel was told 'cancelled', the log says {expected}")
+    return found
+
+
+def _gone_problems(observed: Observed, task_id: str) -> list[str]:
+    kept = [
+        letter
+        for letter in observed.dead_letters
+        if letter.properties.get("correlation_id") == task_id
+        and letter.headers.get("x-waystation-reason") == "unroutable"
+    ]
+    if not kept:
+        return [f"{task_id}: its publisher is gone, and its answer was not kept (unroutable)"]
+    return []
+
+
+def _bad_problems(
+    observed: Observed, task_id: str, streams: dict[str, list[RecordedEvent]]
+) -> list[str]:
+    events = streams.get(task_id, [])
+    terminal = next((e for e in reversed(events) if e.event_type in _TERMINAL), None)
+    if terminal is None or terminal.event_type == "TaskCancelled":
+        return []
+    if terminal.event_type == "TaskCompleted":
+        return [f"{task_id}: an outcome no log can store was recorded as completed"]
+    error = terminal.data.get("error") or {}
+    if error.get("type") == "InvalidTransition" and "cannot be stored" in error.get("message", ""):
+        return []
+    if error.get("type") == "RuntimeError":
+        return []  # its handler raised on every attempt before it could return the bad outcome
+    return [f"{task_id}: an outcome the log cannot store failed as {error}"]
+
+
+def _worker_problems(observed: Observed, streams: dict[str, list[RecordedEvent]]) -> list[str]:
+    found = [f"a resumed handler ran for a finished task: {run}" for run in observed.late_runs]
+    returns = observed.returned
+    # a duplicated message (a publisher that retried a lost confirm), or a worker that died
+    # between sending a retry and acking what it retried, may start a second line of retries:
+    # each may add the delivery limit again
+    lines = 1 + observed.duplicated + returns
+    bound = observed.scenario.delivery_limit * lines + returns
+    for (task_id, pause), failed in observed.failed_runs.items():
+        if failed > bound:
+            found.append(f"{task_id}: its handler failed {failed} times at pause {pause}")
+    # a run that did not raise runs again only if its message came again (a crash, a drop, a
+    # duplicate, a relay republishing what its writer's confirm had not yet cleared), or when
+    # resumed in place and an append found the stream moved on: another writer's conflicting
+    # events, or the same decision recorded by a racing reply (a duplicate append)
+    counters = observed.counters
+    again = (
+        1
+        + returns
+        + observed.duplicated
+        + counters.get("version_conflicts", 0)
+        + counters.get("duplicate_appends", 0)
+        + counters.get("outbox_relayed", 0)
+    )
+    for (task_id, pause), runs in observed.runs.items():
+        succeeded = runs - observed.failed_runs.get((task_id, pause), 0)
+        if succeeded > again:
+            found.append(f"{task_id}: its handler ran {succeeded} times at pause {pause}")
+    if returns <= 2 * observed.scenario.delivery_limit:
+        for stream_id, events in streams.items():
+            for event in events:
+                if (event.data.get("error") or {}).get("type") == "DeliveryLimitReached":
+                    found.append(f"{stream_id}: failed at the crash limit with {returns} returns")
+    unexpected = observed.counters.get("processing_errors", 0)
+    if unexpected:
+        found.append(f"workers met {unexpected} unexpected exception(s) (processing_errors)")
+    return found
+
+
+def _timeout_problems(observed: Observed, streams: dict[str, list[RecordedEvent]]) -> list[str]:
+    slack = TIMEOUT_SLACK
+    if observed.crashes or observed.drops or observed.storage_failures_injected:
+        # a sweeper that died, or lost the answer to its claim, holds its lease till it ends
+        slack += 2 * SWEEP_LEASE
+    slow = {spec.task_id: spec.slow for spec in observed.scenario.tasks}
+    found = []
+    for stream_id, events in streams.items():
+        # the last reply of a pause is recorded only with what its handler, run in place, then
+        # decides: a deadline passing during a slow run is timed out, by another sweeper once
+        # the lease of this worker's (waiting on the stream) runs out (README, "Deadlines")
+        allowed = slack + (SWEEP_LEASE + slow.get(stream_id, 0.0) if slow.get(stream_id) else 0)
+        deadlines: dict[str, float] = {}
+        for event in events:
+            if event.event_type == "TaskPaused":
+                deadlines.update((c["subtask_id"], c["deadline_at"]) for c in event.data["calls"])
+            elif event.event_type == "DeadlineExtended":
+                deadlines[event.data["subtask_id"]] = event.data["deadline_at"]
+            elif (
+                event.event_type == "ResultRecorded"
+                and event.data["outcome"] == "timeout"
+                and event.recorded_at is not None
+            ):
+                late = event.recorded_at.timestamp() - deadlines[event.data["subtask_id"]]
+                if late > allowed:
+                    found.append(
+                        f"{event.data['subtask_id']}: timeout recorded {late:.1f}s after its "
+                        f"deadline (allowed {allowed:.0f}s)"
+                    )
+    return found
+
+
+def _answered_before_the_cancel(observed: Observed, task_id: str, cancelled: RecordedEvent) -> bool:
+    """A task that calls no peers writes nothing (G10), so a cancel can cross its answer: fine
+    as long as the flow that answered last looked at the log before the cancel committed."""
+    answers = [
+        m
+        for m in observed.published
+        if m.routing_key == RESULTS and m.properties.get("correlation_id") == task_id
+    ]
+    if not answers or cancelled.recorded_at is None:
+        return False
+    first = min(answers, key=lambda m: m.enqueued_at)
+    looked = [
+        at
+        for at, reader in observed.reads.get(task_id, [])
+        if reader == first.published_by and at <= first.enqueued_at
+    ]
+    return bool(looked) and max(looked) < cancelled.recorded_at.timestamp()
+
+
+def _answered_then_cancelled_across_a_crash(
+    observed: Observed, task_id: str, events: list[RecordedEvent]
+) -> bool:
+    """The one case where a publisher may hear two answers (README, "Cancelling"): a task that
+    calls no peers records nothing (G10), answered ``ok``, and its worker died before acking it;
+    a cancel was recorded before the redelivery, which then answers ``cancelled``. Nothing in
+    the log can tell that the first run answered."""
+    if not (len(events) == 1 and events[0].event_type == "TaskCancelled"):
+        return False
+    answers = [
+        (m.enqueued_at, loads(m.body)["status"])
+        for m in observed.published
+        if m.routing_key == RESULTS and m.properties.get("correlation_id") == task_id
+    ]
+    task_messages = [
+        m
+        for m in observed.published
+        if m.properties.get("message_id") == task_id and m.properties.get("type") == "task"
+    ]
+    cancelled_at = events[0].recorded_at
+    returned = any(m.delivery_count or m.acquired_count for m in task_messages)
+    return (
+        returned
+        and cancelled_at is not None
+        and {status for _, status in answers} == {"ok", "cancelled"}
+        and all((at < cancelled_at.timestamp()) == (status == "ok") for at, status in answers)
+    )
+
+
+def _broker_problems(observed: Observed) -> list[str]:
+    found: list[str] = []
+    if observed.leftovers:
+        found.append(f"messages left unsettled at the end: {observed.leftovers}")
+    if observed.outbox_left:
+        found.append(f"{observed.outbox_left} outbox row(s) never published")
+    for message in observed.published:
+        if message.fate == "dropped":
+            found.append(
+                f"message {message.properties.get('message_id')} to {message.routing_key} "
+                "disappeared without a dead letter"
+            )
+    for letter in observed.dead_letters:
+        headers = letter.headers
+        if not (headers.get("x-waystation-reason") or headers.get("x-first-death-reason")):
+            found.append(f"dead letter {letter.properties.get('message_id')} has no reason")
+    return found
+
+
+def _projection_problems(observed: Observed, streams: dict[str, list[RecordedEvent]]) -> list[str]:
+    incremental = {task_id: _row(row) for task_id, row in observed.projected.items()}
+    whole: dict[str, Any] = {}
+    apply_feed(whole, defaultdict(list), list(observed.log))
+    at_once = {task_id: _row(row) for task_id, row in whole.items()}
+    folded = {
+        stream_id: (state.status, state.pause)
+        for stream_id, events in streams.items()
+        if (state := fold(stream_id, events)).status in ("paused", "resumed")
+    }
+    found = []
+    if incremental != at_once:
+        found.append(f"paused tasks built in batches {incremental} != at once {at_once}")
+    if at_once != folded:
+        found.append(f"paused tasks projected {at_once} != folded from the streams {folded}")
+    return found

@@ -1,0 +1,162 @@
+"""Running many seeds, in parallel processes; shrinking a failing scenario; replaying one.
+
+A seed fails when :func:`~tests.simulation.invariants.problems` finds anything (or the run
+raises). A failure is shrunk (tasks dropped one by one, fault kinds turned off one by one, as long
+as it still fails) and reported with the command that replays it with a step-by-step trace.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import multiprocessing
+import os
+import traceback
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+
+from events.codec import dumps
+
+from .invariants import problems
+from .mutations import MUTATIONS, mutated
+from .scenario import FAULT_KINDS, Scenario
+from .world import Observed, run
+
+__all__ = ["Failure", "check", "history", "replay_command", "run_seeds", "shrink"]
+
+
+@dataclass(frozen=True)
+class Failure:
+    seed: int
+    problems: tuple[str, ...]
+    command: str
+    """The command that replays the (shrunk) failing scenario with a trace."""
+
+
+def history(observed: Observed) -> bytes:
+    """Everything a run left behind, byte for byte: the log (every field of every event, the
+    time it was recorded included) and every message the broker took, in order."""
+    lines = [
+        dumps(
+            [
+                e.stream_id,
+                e.stream_version,
+                str(e.event_id),
+                e.event_type,
+                e.schema_version,
+                e.data,
+                e.metadata,
+                e.prev_hash.hex(),
+                e.hash.hex(),
+                e.global_position,
+                e.recorded_at.isoformat() if e.recorded_at else None,
+            ]
+        )
+        for e in observed.log
+    ]
+    lines += [
+        dumps([m.routing_key, m.properties, m.headers, m.body.decode(), m.enqueued_at, m.fate])
+        for m in observed.published
+    ]
+    return b"\n".join(lines)
+
+
+def check(scenario: Scenario, mutation: str | None = None) -> list[str]:
+    """The invariants ``scenario`` breaks (empty: it held)."""
+    with mutated(mutation):
+        try:
+            return problems(run(scenario))
+        except Exception:
+            return [f"the run raised: {traceback.format_exc(limit=8)}"]
+
+
+def shrink(scenario: Scenario, mutation: str | None = None) -> Scenario:
+    """A smaller scenario that still fails: fewer tasks, fewer kinds of fault."""
+    current = scenario
+    for task in scenario.tasks:
+        if len(current.tasks) <= 1:
+            break
+        smaller = current.only_tasks({t.task_id for t in current.tasks} - {task.task_id})
+        if check(smaller, mutation):
+            current = smaller
+    for kind in FAULT_KINDS:
+        if kind in current.faults:
+            smaller = current.without(kind)
+            if check(smaller, mutation):
+                current = smaller
+    return current
+
+
+def replay_command(scenario: Scenario, mutation: str | None = None) -> str:
+    parts = [f"scripts/simulate --seed {scenario.seed}"]
+    full = Scenario.generate(scenario.seed)
+    if scenario.tasks != full.tasks:
+        parts.append(f"--tasks {','.join(t.task_id for t in scenario.tasks)}")
+    if scenario.faults != full.faults:
+        parts.append(f"--faults {','.join(sorted(scenario.faults)) or 'none'}")
+    if mutation:
+        parts.append(f"--mutation {mutation}")
+    parts.append("--trace")
+    return " ".join(parts)
+
+
+def scenario_of(seed: int, tasks: Sequence[str] | None, faults: Sequence[str] | None) -> Scenario:
+    scenario = Scenario.generate(seed)
+    if tasks is not None:
+        scenario = scenario.only_tasks(set(tasks))
+    if faults is not None:
+        scenario = replace(scenario, faults=frozenset(faults) & frozenset(FAULT_KINDS))
+    return scenario
+
+
+def _run_range(seeds: Sequence[int], mutation: str | None, stop_at_first: bool) -> list[Failure]:
+    failures = []
+    for seed in seeds:
+        scenario = Scenario.generate(seed)
+        found = check(scenario, mutation)
+        if found:
+            small = shrink(scenario, mutation)
+            failures.append(
+                Failure(
+                    seed, tuple(check(small, mutation) or found), replay_command(small, mutation)
+                )
+            )
+            if stop_at_first:
+                break
+    return failures
+
+
+def _chunks(seeds: Sequence[int], parts: int) -> Iterator[Sequence[int]]:
+    size = max(1, -(-len(seeds) // parts))
+    for start in range(0, len(seeds), size):
+        yield seeds[start : start + size]
+
+
+def run_seeds(
+    seeds: Sequence[int],
+    *,
+    processes: int | None = None,
+    mutation: str | None = None,
+    stop_at_first: bool = False,
+) -> list[Failure]:
+    """Run every seed; the failures, each shrunk and with its replay command."""
+    if mutation is not None and mutation not in MUTATIONS:
+        raise ValueError(f"no mutation {mutation!r}; there are {', '.join(MUTATIONS)}")
+    processes = processes or os.cpu_count() or 1
+    if processes == 1 or len(seeds) < 50:
+        return _run_range(seeds, mutation, stop_at_first)
+    # spawn, not fork: the caller may be running an event loop (pytest's) in this process
+    context = multiprocessing.get_context("spawn")
+    # small chunks, so that a process that drew slow seeds does not hold up the rest
+    chunks = list(_chunks(seeds, processes * 8))
+    failures: list[Failure] = []
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
+        futures = [pool.submit(_run_range, chunk, mutation, stop_at_first) for chunk in chunks]
+        for future in concurrent.futures.as_completed(futures):
+            failures.extend(future.result())
+            if stop_at_first and failures:
+                for other in futures:
+                    with contextlib.suppress(Exception):
+                        other.cancel()
+                break
+    return sorted(failures, key=lambda f: f.seed)

@@ -1,0 +1,130 @@
+"""What a simulated run does, drawn from its seed: workers, tasks, peers and faults.
+
+A :class:`Scenario` is a plain value, so a failing one can be shrunk (fewer tasks, fewer kinds of
+fault) and printed as the command that replays it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+__all__ = ["FAULT_KINDS", "Scenario", "TaskSpec"]
+
+Peer = Literal["researcher", "oracle"]
+"""``researcher``: a Waystation agent served by the workers; ``oracle``: a plain AMQP peer."""
+Bad = Literal["nan", "inf", "nul", "deep", "object"]
+"""Outcomes a handler can return that no log can store (defect a)."""
+
+FAULT_KINDS = ("crash", "storage", "drop", "duplicate", "latency", "skew", "cancel", "handler")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    task_id: str
+    agent: Literal["orchestrator", "researcher"]
+    at: float
+    """Seconds after the start when the publisher submits it."""
+    rounds: tuple[tuple[tuple[Peer, int], ...], ...] = ()
+    """An orchestrator's calls, round by round: (peer, x)."""
+    timeout: float = 10.0
+    fails: int = 0
+    """Runs of each step whose handler raises before one succeeds."""
+    slow: float = 0.0
+    """Seconds each handler run takes."""
+    bad: Bad | None = None
+    cancel_at: float | None = None
+    """Seconds after the start when a canceller cancels it."""
+    gone: bool = False
+    """Its publisher's reply queue no longer exists when the answer comes (defect f)."""
+
+    @property
+    def x(self) -> int:
+        """A researcher task's input."""
+        return int(self.task_id.rsplit("-", 1)[1])
+
+
+@dataclass(frozen=True)
+class Scenario:
+    seed: int
+    workers: int = 2
+    tasks: tuple[TaskSpec, ...] = ()
+    faults: frozenset[str] = frozenset(FAULT_KINDS)
+    resume_in_place: bool = True
+    audit_all_tasks: bool = False
+    counting: Literal["classic", "4.3"] = "classic"
+    delivery_limit: int = 4
+    storage_failure_rate: float = 0.0
+    crash_rate: float = 0.0
+    max_crashes: int = 0
+    drops: tuple[float, ...] = ()
+    """When a worker's broker connection drops (seconds after the start)."""
+    duplicate_rate: float = 0.0
+    skews: tuple[float, ...] = field(default=())
+
+    @classmethod
+    def generate(cls, seed: int) -> Scenario:
+        rng = random.Random(seed)
+        workers = rng.randint(1, 3)
+        tasks = tuple(_task(rng, seed, n) for n in range(rng.randint(1, 4)))
+        return cls(
+            seed=seed,
+            workers=workers,
+            tasks=tasks,
+            resume_in_place=rng.random() < 0.7,
+            audit_all_tasks=rng.random() < 0.2,
+            counting=rng.choice(("classic", "4.3")),
+            delivery_limit=rng.randint(2, 4),
+            storage_failure_rate=rng.choice((0.0, 0.05, 0.2)),
+            crash_rate=rng.choice((0.0, 0.02, 0.05)),
+            max_crashes=rng.randint(0, 3),
+            drops=tuple(sorted(rng.uniform(0, 20) for _ in range(rng.randint(0, 2)))),
+            duplicate_rate=rng.choice((0.0, 0.0, 0.05)),
+            skews=tuple(rng.uniform(-2.0, 2.0) for _ in range(workers)),
+        )
+
+    def without(self, kind: str) -> Scenario:
+        """This scenario with one kind of fault turned off (for shrinking)."""
+        return replace(self, faults=self.faults - {kind})
+
+    def only_tasks(self, task_ids: set[str]) -> Scenario:
+        return replace(self, tasks=tuple(t for t in self.tasks if t.task_id in task_ids))
+
+    def has(self, kind: str) -> bool:
+        return kind in self.faults
+
+
+def _task(rng: random.Random, seed: int, n: int) -> TaskSpec:
+    at = rng.uniform(0, 5)
+    cancel_at = at + rng.uniform(-1, 12) if rng.random() < 0.15 else None
+    gone = rng.random() < 0.05
+    if rng.random() < 0.2:
+        return TaskSpec(
+            f"s{seed}-r{n}-{rng.randint(1, 9)}",
+            "researcher",
+            at,
+            fails=rng.choice((0, 0, 1, 5)),
+            slow=rng.choice((0.0, 0.0, 0.5)),
+            cancel_at=cancel_at,
+            gone=gone,
+        )
+    rounds = tuple(
+        tuple(
+            (rng.choice(("researcher", "researcher", "oracle")), rng.randint(1, 9))
+            for _ in range(rng.randint(1, 3))
+        )
+        for _ in range(rng.randint(1, 2))
+    )
+    return TaskSpec(
+        f"s{seed}-o{n}",
+        "orchestrator",
+        at,
+        rounds=rounds,
+        timeout=rng.choice((3.0, 3.0, 10.0, 30.0)),
+        fails=rng.choice((0, 0, 0, 1, 2, 9)),
+        slow=rng.choice((0.0, 0.0, 0.2, 4.0, 15.0)),
+        bad=rng.choice((None,) * 12 + ("nan", "inf", "nul", "deep", "object")),
+        cancel_at=cancel_at,
+        gone=gone,
+    )
