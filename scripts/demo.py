@@ -41,16 +41,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _bench import (
-    ROOT,
     WorkerProcess,
     broker_counters,
     delete_topology,
     free_port,
     log_problems,
+    paused_now,
     run_guarded,
     stop_all,
     topology_queues,
     wait_for_consumers,
+    waystation_cli,
     with_database,
 )
 from rich.console import Console, RenderableType
@@ -208,15 +209,7 @@ class Demo:
             await asyncio.sleep(0.1)
 
     async def paused_now(self) -> int | None:
-        """Tasks waiting for peer replies right now, per the paused_tasks projection."""
-        try:
-            async with self._engine().connect() as connection:
-                found = await connection.scalar(
-                    text("SELECT count(*) FROM paused_tasks WHERE status = 'paused'")
-                )
-        except Exception:
-            return None
-        return int(found or 0)
+        return await paused_now(self._engine())
 
     # ---- the run ---------------------------------------------------------------------------------
 
@@ -541,33 +534,10 @@ class Demo:
         return self.engine
 
     async def cli(self, *arguments: str) -> tuple[int | None, str]:
-        """Run the ``waystation`` command installed beside this Python against the demo's
-        database: (exit code, stdout and stderr)."""
-        installed = Path(sys.executable).with_name("waystation")
-        command = [str(installed)] if installed.exists() else [sys.executable, "-m", "workers.cli"]
-        environment = {
-            **os.environ,
-            "WAYSTATION_DATABASE_URL": self.database_url,
-            "PYTHONPATH": os.pathsep.join(
-                [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-            ),
-        }
-        process = await asyncio.create_subprocess_exec(
-            *command,
-            *arguments,
-            env=environment,
-            cwd=ROOT,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
+        """Run the ``waystation`` command against the demo's database."""
+        return await waystation_cli(
+            arguments, {"WAYSTATION_DATABASE_URL": self.database_url}, CLI_TIMEOUT
         )
-        try:
-            output, _ = await asyncio.wait_for(process.communicate(), CLI_TIMEOUT)
-        except (TimeoutError, asyncio.CancelledError):
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
-            raise
-        return process.returncode, output.decode(errors="replace")
 
     async def take_guard(self) -> None:
         """One demo at a time per PostgreSQL server: two would drop each other's database and

@@ -505,7 +505,14 @@ async def _run_tool(*args: str) -> str:
     process = await asyncio.create_subprocess_exec(
         *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
-    out, err = await process.communicate()
+    try:
+        out, err = await process.communicate()
+    except BaseException:
+        # cancelled (Ctrl-C): the tool must not go on by itself, creating what nobody removes
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
+        raise
     if process.returncode != 0:
         raise RuntimeError(f"{' '.join(args[:2])}: {(err or out).decode().strip()}")
     return out.decode()
@@ -554,16 +561,22 @@ class PostgresCluster:
         server (another test run, say) notices. Needs root or the postgres user.
         """
         cluster = cls(version, f"wst_{uuid.uuid4().hex[:8]}", _free_port())
-        await _run_tool(
-            "pg_createcluster",
-            version,
-            cluster.name,
-            "--port",
-            str(cluster.port),
-            "--start",
-            "--",
-            "--auth=trust",
-        )
+        try:
+            await _run_tool(
+                "pg_createcluster",
+                version,
+                cluster.name,
+                "--port",
+                str(cluster.port),
+                "--start",
+                "--",
+                "--auth=trust",
+            )
+        except BaseException:
+            # failed or cancelled half-way: remove whatever it created
+            with contextlib.suppress(Exception):
+                await _run_tool("pg_dropcluster", "--stop", version, cluster.name)
+            raise
         try:
             yield cluster
         finally:

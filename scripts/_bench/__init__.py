@@ -26,7 +26,7 @@ from typing import Any
 import aio_pika
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from workers.wire import Names
 
@@ -42,6 +42,7 @@ __all__ = [
     "delete_topology",
     "free_port",
     "log_problems",
+    "paused_now",
     "percentile",
     "process_cpu_seconds",
     "process_tree",
@@ -53,6 +54,7 @@ __all__ = [
     "system_busy_seconds",
     "wait_for_backends_gone",
     "wait_for_consumers",
+    "waystation_cli",
     "with_database",
 ]
 
@@ -171,6 +173,36 @@ def free_port(host: str = "127.0.0.1", exclude: Iterable[int] = ()) -> int:
             port = int(probe.getsockname()[1])
         if port not in taken:
             return port
+
+
+async def waystation_cli(
+    arguments: Sequence[str], env: Mapping[str, str], timeout: float = 60
+) -> tuple[int | None, str]:
+    """Run the ``waystation`` command installed beside this Python (else ``python -m
+    workers.cli``) with ``env`` (WAYSTATION_* settings) added: (exit code, stdout and stderr)."""
+    installed = Path(sys.executable).with_name("waystation")
+    command = [str(installed)] if installed.exists() else [sys.executable, "-m", "workers.cli"]
+    environment = {
+        **os.environ,
+        **env,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    process = await asyncio.create_subprocess_exec(
+        *command,
+        *arguments,
+        env=environment,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        output, _ = await asyncio.wait_for(process.communicate(), timeout)
+    except (TimeoutError, asyncio.CancelledError):
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
+        raise
+    return process.returncode, output.decode(errors="replace")
 
 
 # ---- broker --------------------------------------------------------------------------------
@@ -301,6 +333,19 @@ async def database_counters(admin_url: str, database: str) -> dict[str, int]:
     if row is None:
         return {"xact_commit": 0, "xact_rollback": 0, "sessions": 0}
     return {"xact_commit": int(row[0]), "xact_rollback": int(row[1]), "sessions": int(row[2])}
+
+
+async def paused_now(engine: AsyncEngine) -> int | None:
+    """Tasks waiting for peer replies right now, per the paused_tasks projection; None when it
+    cannot be read (the database is down, say)."""
+    try:
+        async with engine.connect() as connection:
+            found = await connection.scalar(
+                text("SELECT count(*) FROM paused_tasks WHERE status = 'paused'")
+            )
+    except Exception:
+        return None
+    return int(found or 0)
 
 
 async def wait_for_backends_gone(
@@ -498,15 +543,18 @@ def run_guarded(
     *,
     name: str,
     give_up_after: float = 20.0,
+    uvloop: bool = True,
 ) -> tuple[Any, BaseException | None, bool]:
     """Run ``work()`` then, whatever happened, ``cleanup()``; (result, error, interrupted).
 
     SIGINT and SIGTERM call ``on_interrupt`` (stop the workers now) and cancel the work, again
     every 2 seconds while it is still running, and stop waiting for it after ``give_up_after``
     seconds; the cleanup then runs regardless (a signal during the cleanup only says so). On
-    uvloop when it is installed, like the workers.
+    uvloop when it is installed, like the workers, unless ``uvloop`` is false: a child that
+    starts a daemon (``pg_ctlcluster start``) never looks finished to uvloop, whose children
+    inherit a pipe of its own that the daemon then holds open.
     """
-    loop = _new_loop()
+    loop = _new_loop() if uvloop else asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     state = {"interrupted_at": 0.0, "cleaning": False}
     task: asyncio.Task[Any] = loop.create_task(work())  # type: ignore[arg-type]
