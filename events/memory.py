@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from .chain import recorded_events
-from .codec import GENESIS_HASH, dumps, loads
+from .codec import GENESIS_HASH, dumps, loads, unstorable
 from .errors import IntegrityError, VersionConflict
 from .model import NewEvent, RecordedEvent
 from .store import (
@@ -28,7 +28,10 @@ from .store import (
     Position,
 )
 
-__all__ = ["InMemoryEventStore"]
+__all__ = ["MAX_STREAM_ID_BYTES", "InMemoryEventStore"]
+
+MAX_STREAM_ID_BYTES = 2000
+"""Below what PostgreSQL's btree index on ``(stream_id, stream_version)`` takes (~2,700 bytes)."""
 
 
 def _copy(event: RecordedEvent) -> RecordedEvent:
@@ -36,6 +39,17 @@ def _copy(event: RecordedEvent) -> RecordedEvent:
     return dataclasses.replace(
         event, data=loads(dumps(event.data)), metadata=loads(dumps(event.metadata))
     )
+
+
+def _require_storable(stream_id: str, events: Sequence[NewEvent]) -> None:
+    """Refuse what PostgreSQL would refuse, as it would (``IntegrityError``): a NUL character in
+    text or ``jsonb``, or a stream id too long for its index."""
+    if "\x00" in stream_id or len(stream_id.encode()) > MAX_STREAM_ID_BYTES:
+        raise IntegrityError(f"a stream id of {len(stream_id)} characters cannot be stored")
+    for event in events:
+        problem = unstorable(event.data) or unstorable(event.metadata)
+        if problem is not None:
+            raise IntegrityError(f"event {event.event_id} cannot be stored: {problem}")
 
 
 class InMemoryEventStore(EventStore):
@@ -67,6 +81,7 @@ class InMemoryEventStore(EventStore):
     ) -> AppendResult:
         if not events:
             raise IntegrityError("an append needs at least one event")
+        _require_storable(stream_id, events)
         stream = self._streams.get(stream_id, [])
         first = self._event_ids.get(events[0].event_id)
         if first is not None:

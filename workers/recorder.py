@@ -39,6 +39,7 @@ from events import (
     event_id,
     fold,
 )
+from events.codec import dumps
 
 from .broker import Delivery
 from .faults import FaultPlan
@@ -145,22 +146,63 @@ class StreamCache:
     stream again. The copy may be stale, when another worker appended since: then the append,
     which checks the expected version and hash, fails with a conflict and the stream is read.
     An entry is taken out when used, so a failed attempt never sees it again.
+
+    Bounded by count and by bytes (the JSON of the events' data and metadata): a few streams
+    with huge inputs or results cannot hold a worker's memory (defect j).
     """
 
-    def __init__(self, size: int = 1024) -> None:
-        self._size = size
-        self._streams: collections.OrderedDict[str, list[RecordedEvent]] = collections.OrderedDict()
+    def __init__(self, streams: int = 1024, max_bytes: int = 32 * 1024 * 1024) -> None:
+        self._max_streams = streams
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        self._streams: collections.OrderedDict[str, tuple[list[RecordedEvent], int]] = (
+            collections.OrderedDict()
+        )
+        self._taken: dict[str, tuple[list[RecordedEvent], int]] = {}
+        """What ``take`` handed out, so that putting it back with a few more events only
+        measures those."""
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(streams, bytes) held now."""
+        return len(self._streams), self._bytes
 
     def put(self, stream_id: str, events: list[RecordedEvent], *, finished: bool) -> None:
-        self._streams.pop(stream_id, None)
+        self._drop(stream_id)
+        taken = self._taken.pop(stream_id, None)
         if finished:
             return  # nothing more is decided on it but late replies, which read it
-        self._streams[stream_id] = events
-        if len(self._streams) > self._size:
-            self._streams.popitem(last=False)
+        known = len(taken[0]) if taken is not None else 0
+        if taken is not None and 0 < known <= len(events) and events[known - 1] is taken[0][-1]:
+            size = taken[1] + _bytes_of(events[known:])
+        else:
+            size = _bytes_of(events)
+        if size > self._max_bytes:
+            return
+        self._streams[stream_id] = (events, size)
+        self._bytes += size
+        while len(self._streams) > self._max_streams or self._bytes > self._max_bytes:
+            _, (_, evicted) = self._streams.popitem(last=False)
+            self._bytes -= evicted
 
     def take(self, stream_id: str) -> list[RecordedEvent] | None:
-        return self._streams.pop(stream_id, None)
+        entry = self._drop(stream_id)
+        if entry is None:
+            return None
+        if len(self._taken) >= self._max_streams:
+            self._taken.clear()  # taken and never put back: decided elsewhere, or failed
+        self._taken[stream_id] = entry
+        return entry[0]
+
+    def _drop(self, stream_id: str) -> tuple[list[RecordedEvent], int] | None:
+        entry = self._streams.pop(stream_id, None)
+        if entry is not None:
+            self._bytes -= entry[1]
+        return entry
+
+
+def _bytes_of(events: Sequence[RecordedEvent]) -> int:
+    return sum(len(dumps(e.data)) + len(dumps(e.metadata)) for e in events)
 
 
 class Recorder:
@@ -178,6 +220,7 @@ class Recorder:
         outbox_delay: float,
         faults: FaultPlan,
         stopping: Callable[[], bool] = lambda: False,
+        cache_bytes: int = 32 * 1024 * 1024,
     ) -> None:
         self.stopping = stopping
         """True once the worker is stopping: an append then gives up on an outage."""
@@ -190,7 +233,7 @@ class Recorder:
         self.outbox_delay = outbox_delay
         self.faults = faults
         self.locks = StreamLocks()
-        self.cache = StreamCache()
+        self.cache = StreamCache(max_bytes=cache_bytes)
 
     async def load(self, task_id: str) -> TaskState:
         return (await self.load_events(task_id))[0]

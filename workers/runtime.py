@@ -99,6 +99,7 @@ class Worker:
             outbox_delay=settings.outbox_delay,
             faults=faults,
             stopping=lambda: self._stopping,
+            cache_bytes=settings.stream_cache_bytes,
         )
         self.settler = Settler(self.broker, self.names, self.observer, settings.worker_id)
         self.flows = Flows(

@@ -64,6 +64,9 @@ class Settings(BaseSettings):
     """How often an active projection runner looks at the log without a notification (s)."""
     projection_standby_interval: float = Field(default=1.0, gt=0)
     """How often a standby runner tries to take over a projection; bounds the failover time (s)."""
+    stream_cache_bytes: int = Field(default=32 * 1024 * 1024, ge=0)
+    """Memory a worker may use for its copies of the streams it wrote last (they spare a read
+    of the log for the next decision on them); 0 keeps none."""
     db_pool_size: int = Field(default=16, ge=1)
     """Database connections per worker; handlers wait for one when all are busy."""
     metrics_port: int = Field(default=9464, ge=0, le=65535)

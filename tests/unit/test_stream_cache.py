@@ -1,0 +1,62 @@
+"""A worker's copies of the streams it wrote last: bounded by count and by bytes (defect j)."""
+
+from __future__ import annotations
+
+import uuid
+
+from events import GENESIS_HASH, NewEvent
+from events.chain import recorded_events
+from events.codec import dumps
+from workers.recorder import StreamCache
+
+
+def stream(count: int, pad: int = 10, stream_id: str = "s") -> list:
+    return recorded_events(
+        stream_id,
+        0,
+        [NewEvent(uuid.uuid4(), "Probe", {"pad": "x" * pad}, {"n": n}) for n in range(count)],
+        GENESIS_HASH,
+    )
+
+
+def weight(events: list) -> int:
+    return sum(len(dumps(e.data)) + len(dumps(e.metadata)) for e in events)
+
+
+def test_the_cache_holds_no_more_bytes_than_its_bound_evicting_the_oldest() -> None:
+    cache = StreamCache(streams=100, max_bytes=10_000)
+    for n in range(20):
+        cache.put(f"s{n}", stream(3, pad=1000, stream_id=f"s{n}"), finished=False)
+        assert cache.size[1] <= 10_000
+    held, _ = cache.size
+    assert 0 < held < 20
+    assert cache.take("s0") is None, "the oldest went first"
+    assert cache.take("s19") is not None
+
+
+def test_the_cache_holds_no_more_streams_than_its_bound() -> None:
+    cache = StreamCache(streams=3, max_bytes=10**9)
+    for n in range(5):
+        cache.put(f"s{n}", stream(1, stream_id=f"s{n}"), finished=False)
+    assert cache.size[0] == 3
+    assert [cache.take(f"s{n}") is not None for n in range(5)] == [False, False, True, True, True]
+    assert cache.size == (0, 0)
+
+
+def test_a_stream_bigger_than_the_whole_bound_is_not_kept() -> None:
+    cache = StreamCache(max_bytes=500)
+    cache.put("big", stream(2, pad=1000), finished=False)
+    assert cache.take("big") is None and cache.size == (0, 0)
+
+
+def test_a_stream_put_back_with_more_events_counts_them_all_and_a_finished_one_goes() -> None:
+    cache = StreamCache()
+    first = stream(4)
+    cache.put("s", first[:2], finished=False)
+    assert cache.size == (1, weight(first[:2]))
+    taken = cache.take("s")
+    assert taken is not None and cache.size == (0, 0)
+    cache.put("s", [*taken, *first[2:]], finished=False)
+    assert cache.size == (1, weight(first))
+    cache.put("s", first, finished=True)
+    assert cache.size == (0, 0)
