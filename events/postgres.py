@@ -57,12 +57,13 @@ _APPEND = text(
                     CAST(:prev_hashes AS bytea[]), CAST(:hashes AS bytea[]))
              AS u(v, e, t, s, d, m, p, h)
         WHERE EXISTS (SELECT 1 FROM head_ok)
-        RETURNING global_position
+        RETURNING global_position, metadata->>'deployment' AS deployment
     ), published AS (
         INSERT INTO outbox (message_id, stream_id, exchange, routing_key, properties, body,
-                            available_at)
+                            available_at, deployment)
         SELECT mi, :stream, ex, rk, CAST(pr AS jsonb), bd,
-               now() + make_interval(secs => CAST(:outbox_delay AS double precision))
+               now() + make_interval(secs => CAST(:outbox_delay AS double precision)),
+               (SELECT deployment FROM appended ORDER BY global_position LIMIT 1)
         FROM unnest(CAST(:message_ids AS text[]), CAST(:exchanges AS text[]),
                     CAST(:routing_keys AS text[]), CAST(:properties AS text[]),
                     CAST(:bodies AS bytea[])) AS o(mi, ex, rk, pr, bd)
@@ -104,7 +105,10 @@ _READ_ALL = text(
 _CLAIM_OUTBOX = text(
     """
     UPDATE outbox SET available_at = now() + make_interval(secs => CAST(:lease AS double precision))
-    WHERE id IN (SELECT id FROM outbox WHERE available_at <= now()
+    WHERE id IN (SELECT id FROM outbox
+                 WHERE available_at <= now()
+                   AND (CAST(:deployment AS text) IS NULL OR deployment IS NULL
+                        OR deployment = :deployment)
                  ORDER BY id LIMIT :limit FOR UPDATE SKIP LOCKED)
     RETURNING id, message_id, exchange, routing_key, properties::text, body
     """
@@ -128,7 +132,12 @@ _PENDING_OF_TASK = text(
 )
 
 _DELETE_OUTBOX = text("DELETE FROM outbox WHERE id = ANY(CAST(:ids AS bigint[]))")
-_OUTBOX_SIZE = text("SELECT count(*) FROM outbox")
+_OUTBOX_SIZE = text(
+    """
+    SELECT count(*) FROM outbox
+    WHERE CAST(:deployment AS text) IS NULL OR deployment IS NULL OR deployment = :deployment
+    """
+)
 
 
 def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
@@ -324,12 +333,13 @@ class PostgresEventStore(EventStore):
             raise _translate(error) from error
         return [_row_to_event(row) for row in rows]
 
-    async def claim_outbox(self, limit: int = 100, lease: float = 30.0) -> list[OutboxEntry]:
+    async def claim_outbox(
+        self, limit: int = 100, lease: float = 30.0, *, deployment: str | None = None
+    ) -> list[OutboxEntry]:
+        params = {"limit": limit, "lease": lease, "deployment": deployment}
         try:
             async with self.engine.connect() as connection:
-                rows = (
-                    await connection.execute(_CLAIM_OUTBOX, {"limit": limit, "lease": lease})
-                ).all()
+                rows = (await connection.execute(_CLAIM_OUTBOX, params)).all()
         except Exception as error:
             raise _translate(error) from error
         return [
@@ -355,10 +365,11 @@ class PostgresEventStore(EventStore):
         except Exception as error:
             raise _translate(error) from error
 
-    async def outbox_size(self) -> int:
+    async def outbox_size(self, *, deployment: str | None = None) -> int:
         try:
             async with self.engine.connect() as connection:
-                return int(await connection.scalar(_OUTBOX_SIZE) or 0)
+                found = await connection.scalar(_OUTBOX_SIZE, {"deployment": deployment})
+                return int(found or 0)
         except Exception as error:
             raise _translate(error) from error
 

@@ -140,7 +140,7 @@ async def _serve(app: Any, settings: Any) -> None:
         instance.health,
         host=settings.metrics_host,
         port=settings.metrics_port,
-        refresh=lambda: database_gauges(metrics, store),
+        refresh=lambda: database_gauges(metrics, store, deployment=settings.queue_prefix),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -236,9 +236,12 @@ class HttpServer:
         )
 
 
-async def database_gauges(metrics: Metrics, store: PostgresEventStore) -> None:
-    """Read the outbox backlog and the projections' lag into their gauges."""
-    metrics.outbox_backlog.set(await store.outbox_size())
+async def database_gauges(
+    metrics: Metrics, store: PostgresEventStore, *, deployment: str | None = None
+) -> None:
+    """Read the outbox backlog (of ``deployment``: the rows its relays may publish) and the
+    projections' lag into their gauges."""
+    metrics.outbox_backlog.set(await store.outbox_size(deployment=deployment))
     await projection_gauges(metrics, store.engine)
 
 

@@ -1226,7 +1226,9 @@ class Worker:
         unsent: list[OutboxEntry] = []  # publish failed; still leased to us: retry them here
         while True:
             try:
-                entries = unsent or await self.store.claim_outbox(limit=100, lease=30.0)
+                entries = unsent or await self.store.claim_outbox(
+                    limit=100, lease=30.0, deployment=self.names.prefix
+                )
                 unsent = []
                 if entries:
                     errors = await self._require_publisher().publish_all(
