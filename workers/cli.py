@@ -141,6 +141,7 @@ async def _serve(app: Any, settings: Any) -> None:
         host=settings.metrics_host,
         port=settings.metrics_port,
         refresh=lambda: database_gauges(metrics, store, deployment=settings.queue_prefix),
+        horizon=store.horizon_holder,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -738,12 +739,14 @@ def run_projections() -> None:
 
 async def _run_projections(settings: Any) -> None:
     import migrations
-    from projections.postgres import ProjectionRunner
+    from events.postgres import horizon_holder
+    from projections.postgres import PROJECTIONS, ProjectionRunner, create_engine
 
     from .metrics import Health, HttpServer, Metrics, projection_gauges
 
     await migrations.upgrade(settings.database_url)
-    engine = _projection_engine(settings)
+    # each projection holds a connection while it runs; /healthz and /metrics need their own
+    engine = create_engine(settings.database_url, pool_size=len(PROJECTIONS) + 2)
     runner = ProjectionRunner(
         engine,
         batch_size=settings.projection_batch_size,
@@ -765,6 +768,7 @@ async def _run_projections(settings: Any) -> None:
         host=settings.metrics_host,
         port=settings.metrics_port,
         refresh=lambda: projection_gauges(metrics, engine),
+        horizon=lambda: horizon_holder(engine),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -797,6 +801,8 @@ def _print_projection_status(statuses: list[Any]) -> None:
             f"{s.name:<14} {s.position.global_position:>10} {s.events:>9} {s.behind:>8} "
             f"{_age(s.lag_seconds):>7}  {'active' if s.active else 'none'}"
         )
+    if statuses and statuses[0].horizon is not None:  # the same for every projection
+        click.echo(f"horizon held by {statuses[0].horizon.describe()}")
 
 
 @projections_group.command(name="status")
