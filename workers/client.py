@@ -70,7 +70,7 @@ class Client:
         self.names = Names(queue_prefix)
         self.duplicates = 0
         """Result messages that repeated a result still kept."""
-        self.received = 0
+        self.results_received = 0
         """Results received, each task counted once (while its result is kept), ever: unlike
         ``len(results)``, it does not stop growing at ``keep_results``."""
         self.keep_results = keep_results
@@ -238,7 +238,7 @@ class Client:
             self.duplicates += 1
             return
         self._results[task_id] = result
-        self.received += 1
+        self.results_received += 1
         while len(self._results) > self.keep_results:
             self._results.popitem(last=False)
         waiter = self._waiters.pop(task_id, None)

@@ -52,7 +52,7 @@ async def test_the_client_keeps_only_the_most_recent_results(
         await answer(amqp_channel, client, f"task-{n}", n)
     await eventually(lambda: "task-5" in client.results, 20, "the last result")  # in order
     assert list(client.results) == ["task-3", "task-4", "task-5"]
-    assert client.received == 5
+    assert client.results_received == 5
     assert (await client.result("task-4", 1)).result == 4
     # a repeat of a kept result is a duplicate, not a new result
     await answer(amqp_channel, client, "task-5", 5)
