@@ -130,7 +130,7 @@ _HORIZON_HOLDER = text(
     FROM ({_RUNNING_HERE} ORDER BY running.id LIMIT 1) AS here
     LEFT JOIN pg_stat_activity a ON a.backend_xid = xid(here.id)
     LEFT JOIN pg_prepared_xacts p ON p.transaction = xid(here.id)
-    ORDER BY a.backend_type = 'client backend' DESC
+    ORDER BY a.backend_type = 'client backend' DESC NULLS LAST
     LIMIT 1
     """
 )
