@@ -61,7 +61,8 @@ class InMemoryEventStore(EventStore):
         self._streams: dict[str, list[RecordedEvent]] = {}
         self._all: list[RecordedEvent] = []
         self._event_ids: dict[object, RecordedEvent] = {}
-        self._outbox: dict[int, tuple[OutboxMessage, float]] = {}
+        # outbox id -> (message, available at, deployment of the events that implied it)
+        self._outbox: dict[int, tuple[OutboxMessage, float, str | None]] = {}
         self._next_outbox_id = 1
         self._clock = clock or time.monotonic
         self._wall_clock = wall_clock
@@ -114,9 +115,14 @@ class InMemoryEventStore(EventStore):
         self._event_ids.update((e.event_id, e) for e in recorded)
         self._follow_pending_calls(recorded)
         ids = []
+        deployment = recorded[0].metadata.get("deployment")  # as PostgreSQL's append takes it
         for message in outbox:
             ids.append(self._next_outbox_id)
-            self._outbox[self._next_outbox_id] = (message, self._clock() + outbox_delay)
+            self._outbox[self._next_outbox_id] = (
+                message,
+                self._clock() + outbox_delay,
+                deployment,
+            )
             self._next_outbox_id += 1
         return AppendResult(
             version=recorded[-1].stream_version,
@@ -185,14 +191,16 @@ class InMemoryEventStore(EventStore):
         start = bisect.bisect_right(self._all, after, key=Position.of)
         return [_copy(e) for e in self._all[start : start + limit]]
 
-    async def claim_outbox(self, limit: int = 100, lease: float = 30.0) -> list[OutboxEntry]:
+    async def claim_outbox(
+        self, limit: int = 100, lease: float = 30.0, *, deployment: str | None = None
+    ) -> list[OutboxEntry]:
         now = self._clock()
         claimed: list[OutboxEntry] = []
-        for outbox_id, (message, available_at) in sorted(self._outbox.items()):
+        for outbox_id, (message, available_at, owner) in sorted(self._outbox.items()):
             if len(claimed) >= limit:
                 break
-            if available_at <= now:
-                self._outbox[outbox_id] = (message, now + lease)
+            if available_at <= now and _relays(deployment, owner):
+                self._outbox[outbox_id] = (message, now + lease, owner)
                 claimed.append(OutboxEntry(outbox_id, copy.deepcopy(message)))
         return claimed
 
@@ -200,5 +208,10 @@ class InMemoryEventStore(EventStore):
         for outbox_id in ids:
             self._outbox.pop(outbox_id, None)
 
-    async def outbox_size(self) -> int:
-        return len(self._outbox)
+    async def outbox_size(self, *, deployment: str | None = None) -> int:
+        return sum(1 for _, _, owner in self._outbox.values() if _relays(deployment, owner))
+
+
+def _relays(relay: str | None, row: str | None) -> bool:
+    """Whether a relay of deployment ``relay`` (None: every one) takes a row of ``row``."""
+    return relay is None or row is None or row == relay

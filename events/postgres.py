@@ -7,13 +7,30 @@ connections on return (there is no open transaction to roll back), which measure
 
 Global order: a reader that followed ``global_position`` alone would skip events whose
 transaction commits after a later position's. ``read_all`` orders by ``(tx_id, global_position)``
-and stops below ``pg_snapshot_xmin(pg_current_snapshot())``, the oldest transaction still running,
-so nothing can later appear behind the cursor; writers are never serialised.
+and stops below the snapshot horizon (``SNAPSHOT_HORIZON``): the oldest transaction still running
+that may yet commit events of this database, so nothing can later appear behind the cursor;
+writers are never serialised.
+
+The horizon is not ``pg_snapshot_xmin(pg_current_snapshot())``: that is the oldest transaction
+running anywhere on the cluster, and one left open in another database (another application, an
+idle session) would stall every reader here for as long as it lasts. Of the transactions the
+statement's snapshot sees running (``pg_snapshot_xip``), the horizon ignores only those proven to
+belong to another database: held right now by a session of another database
+(``pg_stat_activity.backend_xid``), or prepared there (``pg_prepared_xacts``). A transaction id
+belongs to one database for its whole life, so a proof read a moment after the snapshot still
+holds; a transaction not found (it just ended, or is invisible to this role) keeps holding the
+horizon, which only delays a reader, never makes it skip. ``horizon_holder`` names what holds it.
+
+Errors: every driver or SQLAlchemy error leaves through ``_translate``. What may succeed when
+tried again (the pool or the server out of connections, a cancelled statement, a deadlock, a
+serialization failure, a lost connection, a server shutting down) becomes ``StoreUnavailable``;
+the rest ``IntegrityError``. The full classification is drawn in ``events.errors``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import sqlalchemy.exc
@@ -33,7 +50,13 @@ from .store import (
     Position,
 )
 
-__all__ = ["PostgresEventStore", "create_engine"]
+__all__ = [
+    "SNAPSHOT_HORIZON",
+    "HorizonHolder",
+    "PostgresEventStore",
+    "create_engine",
+    "horizon_holder",
+]
 
 _APPEND = text(
     """
@@ -52,12 +75,13 @@ _APPEND = text(
                     CAST(:prev_hashes AS bytea[]), CAST(:hashes AS bytea[]))
              AS u(v, e, t, s, d, m, p, h)
         WHERE EXISTS (SELECT 1 FROM head_ok)
-        RETURNING global_position
+        RETURNING global_position, metadata->>'deployment' AS deployment
     ), published AS (
         INSERT INTO outbox (message_id, stream_id, exchange, routing_key, properties, body,
-                            available_at)
+                            available_at, deployment)
         SELECT mi, :stream, ex, rk, CAST(pr AS jsonb), bd,
-               now() + make_interval(secs => CAST(:outbox_delay AS double precision))
+               now() + make_interval(secs => CAST(:outbox_delay AS double precision)),
+               (SELECT deployment FROM appended ORDER BY global_position LIMIT 1)
         FROM unnest(CAST(:message_ids AS text[]), CAST(:exchanges AS text[]),
                     CAST(:routing_keys AS text[]), CAST(:properties AS text[]),
                     CAST(:bodies AS bytea[])) AS o(mi, ex, rk, pr, bd)
@@ -79,6 +103,38 @@ _FIND_EVENTS = text(
     """
 )
 
+_RUNNING_HERE = """
+    SELECT running.id FROM pg_snapshot_xip(pg_current_snapshot()) AS running(id)
+    WHERE NOT EXISTS (SELECT 1 FROM pg_stat_activity elsewhere
+                      WHERE elsewhere.backend_xid = xid(running.id)
+                        AND elsewhere.datname <> current_database())
+      AND NOT EXISTS (SELECT 1 FROM pg_prepared_xacts elsewhere
+                      WHERE elsewhere.transaction = xid(running.id)
+                        AND elsewhere.database <> current_database())
+"""
+"""Transactions the statement's snapshot sees running, but those of other databases."""
+
+SNAPSHOT_HORIZON = f"""(
+    SELECT coalesce(min(here.id), pg_snapshot_xmax(pg_current_snapshot()))
+    FROM ({_RUNNING_HERE}) AS here
+)"""
+"""SQL for the oldest transaction id that may still commit events of this database (the
+snapshot's ``xmax`` when none runs): a reader stops below it. Shared with the projections' feed."""
+
+_HORIZON_HOLDER = text(
+    f"""
+    SELECT here.id::text, a.pid, coalesce(a.datname, p.database),
+           CASE WHEN p.gid IS NOT NULL THEN 'prepared' ELSE a.state END,
+           extract(epoch FROM clock_timestamp() - coalesce(a.xact_start, p.prepared)),
+           a.application_name, p.gid
+    FROM ({_RUNNING_HERE} ORDER BY running.id LIMIT 1) AS here
+    LEFT JOIN pg_stat_activity a ON a.backend_xid = xid(here.id)
+    LEFT JOIN pg_prepared_xacts p ON p.transaction = xid(here.id)
+    ORDER BY a.backend_type = 'client backend' DESC NULLS LAST
+    LIMIT 1
+    """
+)
+
 _COLUMNS = """stream_id, stream_version, event_id, event_type, data::text, metadata::text,
               schema_version, prev_hash, hash, global_position, tx_id::text, recorded_at"""
 
@@ -90,8 +146,8 @@ _READ_ALL = text(
     f"""
     SELECT {_COLUMNS} FROM events
     WHERE (tx_id, global_position) > (CAST(CAST(:tx_id AS text) AS xid8), CAST(:position AS bigint))
-      AND tx_id < pg_snapshot_xmin(pg_current_snapshot())
-    ORDER BY tx_id, global_position
+      AND tx_id < {SNAPSHOT_HORIZON}
+    ORDER BY events.tx_id, events.global_position  -- the column: "tx_id" alone is the text
     LIMIT :limit
     """
 )
@@ -99,7 +155,10 @@ _READ_ALL = text(
 _CLAIM_OUTBOX = text(
     """
     UPDATE outbox SET available_at = now() + make_interval(secs => CAST(:lease AS double precision))
-    WHERE id IN (SELECT id FROM outbox WHERE available_at <= now()
+    WHERE id IN (SELECT id FROM outbox
+                 WHERE available_at <= now()
+                   AND (CAST(:deployment AS text) IS NULL OR deployment IS NULL
+                        OR deployment = :deployment)
                  ORDER BY id LIMIT :limit FOR UPDATE SKIP LOCKED)
     RETURNING id, message_id, exchange, routing_key, properties::text, body
     """
@@ -123,7 +182,12 @@ _PENDING_OF_TASK = text(
 )
 
 _DELETE_OUTBOX = text("DELETE FROM outbox WHERE id = ANY(CAST(:ids AS bigint[]))")
-_OUTBOX_SIZE = text("SELECT count(*) FROM outbox")
+_OUTBOX_SIZE = text(
+    """
+    SELECT count(*) FROM outbox
+    WHERE CAST(:deployment AS text) IS NULL OR deployment IS NULL OR deployment = :deployment
+    """
+)
 
 
 def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
@@ -140,6 +204,54 @@ def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
         pool_size=pool_size,
         max_overflow=0,
         pool_reset_on_return=None,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class HorizonHolder:
+    """The oldest running transaction that may yet commit events of this database. Readers of
+    the log (``read_all``, the projections) do not move past its transaction id until it ends:
+    one left open stalls them all. Fields PostgreSQL hides from this role are None (a role
+    granted ``pg_read_all_stats`` sees every session's)."""
+
+    xid: int
+    pid: int | None
+    """The session's backend process; None for a prepared transaction, which has none."""
+    database: str | None
+    state: str | None
+    """``pg_stat_activity.state`` (``active``, ``idle in transaction``, …), or ``prepared``."""
+    age_seconds: float | None
+    """How long the transaction has been open (prepared: since it was prepared)."""
+    application_name: str | None = None
+    prepared: str | None = None
+    """The global id of a prepared transaction (``ROLLBACK PREPARED`` takes it)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        who = f"prepared transaction {self.prepared!r}" if self.prepared else f"pid {self.pid}"
+        age = f"{self.age_seconds:.1f}s" if self.age_seconds is not None else "unknown"
+        return (
+            f"{who} in database {self.database or '?'} ({self.state or 'state unknown'}, "
+            f"transaction {self.xid} open for {age}, application {self.application_name or '-'!r})"
+        )
+
+
+async def horizon_holder(engine: AsyncEngine) -> HorizonHolder | None:
+    """What holds the log's snapshot horizon now, or None when no transaction does."""
+    async with engine.connect() as connection:
+        row = (await connection.execute(_HORIZON_HOLDER)).one_or_none()
+    if row is None:
+        return None
+    return HorizonHolder(
+        xid=int(row[0]),
+        pid=row[1],
+        database=row[2],
+        state=row[3],
+        age_seconds=float(row[4]) if row[4] is not None else None,
+        application_name=row[5] or None,
+        prepared=row[6],
     )
 
 
@@ -160,21 +272,47 @@ def _row_to_event(row: Any) -> RecordedEvent:
     )
 
 
+_TRANSIENT_SQLSTATES = ("08", "53", "57P", "57014", "40001", "40P01", "55P03")
+"""SQLSTATEs (or their classes) that say "not now" rather than "never": connection exceptions,
+insufficient resources (53300 too many connections, out of memory, disk full), the server
+shutting down or not accepting connections yet, a cancelled statement (statement_timeout,
+pg_cancel_backend), a serialization failure, a deadlock, a lock timeout. The statement rolled
+back; running it again may succeed."""
+
+
+def _sqlstate(error: BaseException) -> str | None:
+    """The SQLSTATE the server sent, wherever the layers put it: on the driver's exception
+    (asyncpg, raised bare at connect time) or on the one SQLAlchemy wraps (``orig``)."""
+    layer: BaseException | None = error
+    for _ in range(4):  # error -> orig / cause -> the driver's own exception
+        if layer is None:
+            return None
+        for candidate in (layer, getattr(layer, "orig", None)):
+            code = getattr(candidate, "sqlstate", None)
+            if isinstance(code, str) and code:
+                return code
+        layer = getattr(layer, "orig", None) or layer.__cause__
+    return None
+
+
 def _translate(error: Exception) -> EventStoreError:
-    """Map a driver or SQLAlchemy error to the log's own hierarchy."""
+    """Map a driver or SQLAlchemy error to the log's own hierarchy (see ``events.errors``)."""
     if isinstance(error, sqlalchemy.exc.DBAPIError) and error.connection_invalidated:
         return StoreUnavailable(str(error.orig or error))
-    if isinstance(error, (OSError, TimeoutError, sqlalchemy.exc.InterfaceError)):
-        return StoreUnavailable(str(error))
-    if isinstance(error, sqlalchemy.exc.OperationalError):
-        return StoreUnavailable(str(error.orig or error))
-    if isinstance(error, sqlalchemy.exc.DBAPIError):
-        cause = error.orig
-        sqlstate = getattr(cause, "sqlstate", None) or getattr(
-            getattr(cause, "__cause__", None), "sqlstate", None
-        )
-        if sqlstate and sqlstate.startswith(("08", "57P")):  # connection exception, shutdown
-            return StoreUnavailable(str(cause))
+    if isinstance(
+        error,
+        (
+            OSError,  # connection refused, reset, unreachable
+            TimeoutError,  # the builtin one: a connect or command timeout of the driver
+            sqlalchemy.exc.TimeoutError,  # no pooled connection free within pool_timeout
+            sqlalchemy.exc.InterfaceError,
+            sqlalchemy.exc.OperationalError,
+        ),
+    ):
+        return StoreUnavailable(str(getattr(error, "orig", None) or error))
+    sqlstate = _sqlstate(error)
+    if sqlstate is not None and sqlstate.startswith(_TRANSIENT_SQLSTATES):
+        return StoreUnavailable(f"{sqlstate}: {getattr(error, 'orig', None) or error}")
     return IntegrityError(str(error))
 
 
@@ -293,12 +431,20 @@ class PostgresEventStore(EventStore):
             raise _translate(error) from error
         return [_row_to_event(row) for row in rows]
 
-    async def claim_outbox(self, limit: int = 100, lease: float = 30.0) -> list[OutboxEntry]:
+    async def horizon_holder(self) -> HorizonHolder | None:
+        """What holds ``read_all``'s horizon now (see :func:`horizon_holder`)."""
+        try:
+            return await horizon_holder(self.engine)
+        except Exception as error:
+            raise _translate(error) from error
+
+    async def claim_outbox(
+        self, limit: int = 100, lease: float = 30.0, *, deployment: str | None = None
+    ) -> list[OutboxEntry]:
+        params = {"limit": limit, "lease": lease, "deployment": deployment}
         try:
             async with self.engine.connect() as connection:
-                rows = (
-                    await connection.execute(_CLAIM_OUTBOX, {"limit": limit, "lease": lease})
-                ).all()
+                rows = (await connection.execute(_CLAIM_OUTBOX, params)).all()
         except Exception as error:
             raise _translate(error) from error
         return [
@@ -324,10 +470,11 @@ class PostgresEventStore(EventStore):
         except Exception as error:
             raise _translate(error) from error
 
-    async def outbox_size(self) -> int:
+    async def outbox_size(self, *, deployment: str | None = None) -> int:
         try:
             async with self.engine.connect() as connection:
-                return int(await connection.scalar(_OUTBOX_SIZE) or 0)
+                found = await connection.scalar(_OUTBOX_SIZE, {"deployment": deployment})
+                return int(found or 0)
         except Exception as error:
             raise _translate(error) from error
 

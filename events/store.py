@@ -22,6 +22,11 @@ Contract (the shared suite in ``tests/contract/test_event_store.py`` runs it aga
 * The outbox: rows become visible to ``claim_outbox`` after ``outbox_delay`` seconds (the writer
   publishes them itself first); a claim leases rows for ``lease`` seconds so two relays do not
   publish the same row at once; ``delete_outbox`` forgets published rows.
+  Each row belongs to the deployment (queue prefix) named by its events' metadata
+  ``deployment``, as a pending call does: ``claim_outbox(deployment=d)`` and
+  ``outbox_size(deployment=d)`` see only the rows of ``d`` and those of no deployment (written
+  without one, or before the outbox knew deployments); without ``deployment`` they see every row.
+  Two deployments sharing one database thus never relay each other's messages.
 """
 
 from __future__ import annotations
@@ -122,13 +127,19 @@ class EventStore(abc.ABC):
     ) -> list[RecordedEvent]: ...
 
     @abc.abstractmethod
-    async def claim_outbox(self, limit: int = 100, lease: float = 30.0) -> list[OutboxEntry]: ...
+    async def claim_outbox(
+        self, limit: int = 100, lease: float = 30.0, *, deployment: str | None = None
+    ) -> list[OutboxEntry]:
+        """Lease up to ``limit`` rows due for publishing, oldest first; only those of
+        ``deployment`` (and of none) when it is given."""
 
     @abc.abstractmethod
     async def delete_outbox(self, ids: Sequence[int]) -> None: ...
 
     @abc.abstractmethod
-    async def outbox_size(self) -> int: ...
+    async def outbox_size(self, *, deployment: str | None = None) -> int:
+        """Rows not yet deleted; only those ``claim_outbox(deployment=…)`` could take when
+        ``deployment`` is given."""
 
     @abc.abstractmethod
     async def claim_expired_calls(

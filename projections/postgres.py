@@ -1,8 +1,9 @@
 """The projections in PostgreSQL: the runner that follows the log, rebuild, status and queries.
 
 Following the log: a batch is read in commit order with the snapshot-horizon cursor
-(``(tx_id, global_position)`` after the checkpoint and below the oldest running transaction,
-see ``events.postgres``), so no event that commits late with a small position is skipped. Each
+(``(tx_id, global_position)`` after the checkpoint and below the oldest running transaction of
+this database, ``events.postgres.SNAPSHOT_HORIZON``), so no event that commits late with a small
+position is skipped. ``projection_status`` names the transaction holding the horizon, if any. Each
 batch is one transaction that locks the projection's checkpoint row, reads the batch after it,
 writes the folded rows set-based (one load, one upsert, one delete per table) and moves the
 checkpoint. Two writers of one projection therefore serialise on that row and never apply an
@@ -37,6 +38,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from events.codec import dumps, loads
+from events.postgres import SNAPSHOT_HORIZON, HorizonHolder, horizon_holder
 from events.store import Position
 
 from .model import (
@@ -104,7 +106,7 @@ _FEED = """
     ) p ON true
     WHERE (e.tx_id, e.global_position)
           > (CAST(CAST(:tx_id AS text) AS xid8), CAST(:position AS bigint))
-      AND e.tx_id < pg_snapshot_xmin(pg_current_snapshot())
+      AND e.tx_id < {horizon}
       {upto}
     ORDER BY e.tx_id, e.global_position
     LIMIT :limit
@@ -113,8 +115,8 @@ _UPTO = (
     "AND (e.tx_id, e.global_position) <= "
     "(CAST(CAST(:upto_tx_id AS text) AS xid8), CAST(:upto_position AS bigint))"
 )
-_READ_FEED = text(_FEED.format(upto=""))
-_READ_FEED_UPTO = text(_FEED.format(upto=_UPTO))
+_READ_FEED = text(_FEED.format(upto="", horizon=SNAPSHOT_HORIZON))
+_READ_FEED_UPTO = text(_FEED.format(upto=_UPTO, horizon=SNAPSHOT_HORIZON))
 
 _ENSURE_CHECKPOINT = text(
     "INSERT INTO projection_checkpoints (name) VALUES (:name) ON CONFLICT (name) DO NOTHING"
@@ -418,6 +420,8 @@ class ProjectionStatus:
     """Age of the oldest event not yet applied (0 when up to date)."""
     active: bool
     """Whether a runner holds the projection's lock right now."""
+    horizon: HorizonHolder | None = None
+    """The transaction that holds back what a runner can read (None when none does)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -429,6 +433,7 @@ class ProjectionStatus:
             "behind": self.behind,
             "lag_seconds": self.lag_seconds,
             "active_runner": self.active,
+            "horizon": self.horizon.to_json() if self.horizon else None,
         }
 
 
@@ -452,7 +457,9 @@ _STATUS = text(
 
 
 async def projection_status(engine: AsyncEngine) -> list[ProjectionStatus]:
-    """The status of every projection (a projection never run is at position zero)."""
+    """The status of every projection (a projection never run is at position zero), with
+    what holds the log's horizon back."""
+    holder = await horizon_holder(engine)
     statuses = []
     async with engine.connect() as connection:
         for name in PROJECTIONS:
@@ -469,7 +476,7 @@ async def projection_status(engine: AsyncEngine) -> list[ProjectionStatus]:
                 )
                 statuses.append(
                     ProjectionStatus(
-                        name, Position(), 0, None, int(behind or 0), float(age or 0), False
+                        name, Position(), 0, None, int(behind or 0), float(age or 0), False, holder
                     )
                 )
                 continue
@@ -482,6 +489,7 @@ async def projection_status(engine: AsyncEngine) -> list[ProjectionStatus]:
                     behind=row[4],
                     lag_seconds=float(row[5]) if row[4] else 0.0,
                     active=bool(row[6]),
+                    horizon=holder,
                 )
             )
     return statuses

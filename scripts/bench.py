@@ -397,7 +397,7 @@ class Bench:
                     observe=observe(session, progress) if observe else None,
                 )
                 session.parents = result.total
-                results_received = len(client.results) + client.duplicates
+                results_received = client.results_received + client.duplicates
                 result_duplicates = client.duplicates
             dead = [w.name for w in session.workers if not w.alive()]
             if dead:

@@ -5,6 +5,11 @@ publishes to the agent's queue with a ``message_id`` (the task id), a ``correlat
 ``reply_to`` queue of its own (``<prefix>client.<uuid>``, which survives a dropped connection),
 and matches results by correlation id. Results are delivered at
 least once; the client keeps the first per task and counts the rest in ``duplicates``.
+
+Its memory stays bounded however long it runs: it keeps the most recent ``keep_results`` results
+(10,000 by default; an older one is forgotten, so ask for a result before that many others have
+arrived, and a repeat of a forgotten one counts as new), and forgets a task it was waiting for
+once every ``result()`` call waiting for it has timed out or been cancelled.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +37,8 @@ from .wire import CONTENT_TYPE, HEADER_TRACE, TYPE_CANCEL, TYPE_TASK, Names
 __all__ = ["Client", "TaskResult"]
 
 REPLY_QUEUE_EXPIRES_MS = 30 * 60 * 1000
+KEEP_RESULTS = 10_000
+"""How many results a client keeps by default (the most recent)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,16 +57,32 @@ class TaskResult:
 class Client:
     """``async with Client(amqp_url) as client: result = await client.call("agent", input)``."""
 
-    def __init__(self, amqp_url: str, *, queue_prefix: str = "waystation.") -> None:
+    def __init__(
+        self,
+        amqp_url: str,
+        *,
+        queue_prefix: str = "waystation.",
+        keep_results: int = KEEP_RESULTS,
+    ) -> None:
+        if keep_results < 1:
+            raise ValueError("keep_results must be at least 1")
         self.amqp_url = amqp_url
         self.names = Names(queue_prefix)
         self.duplicates = 0
+        """Result messages that repeated a result still kept."""
+        self.results_received = 0
+        """Results received, each task counted once (while its result is kept), ever: unlike
+        ``len(results)``, it does not stop growing at ``keep_results``."""
+        self.keep_results = keep_results
         self._connection: AbstractRobustConnection | None = None
         self._channel: AbstractChannel | None = None
         self._reply_queue: AbstractQueue | None = None
         self._consumer_tag: str | None = None
-        self._results: dict[str, TaskResult] = {}
+        self._results: OrderedDict[str, TaskResult] = OrderedDict()
+        """The most recent ``keep_results`` results, oldest first."""
         self._waiters: dict[str, asyncio.Future[TaskResult]] = {}
+        self._waiting: dict[str, int] = {}
+        """How many ``result()`` calls wait on each waiter."""
 
     async def __aenter__(self) -> Client:
         await self.connect()
@@ -105,7 +129,8 @@ class Client:
 
     @property
     def results(self) -> dict[str, TaskResult]:
-        """Every result received so far, by task id."""
+        """The results received so far (the most recent ``keep_results``), by task id, in
+        arrival order."""
         return dict(self._results)
 
     async def submit(
@@ -173,13 +198,26 @@ class Client:
         return str(answer.result.get("status"))
 
     async def result(self, task_id: str, timeout: float | None = None) -> TaskResult:
-        """Wait for the result of ``task_id``."""
+        """Wait for the result of ``task_id`` (``TimeoutError`` after ``timeout`` seconds).
+
+        Any number of calls may wait for one task at once; each gets the result. When the last
+        of them gives up, the client stops waiting for the task (a result arriving later is
+        still kept, for a later call to find).
+        """
         if task_id in self._results:
             return self._results[task_id]
         waiter = self._waiters.get(task_id)
         if waiter is None:
             waiter = self._waiters[task_id] = asyncio.get_running_loop().create_future()
-        return await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        self._waiting[task_id] = self._waiting.get(task_id, 0) + 1
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        finally:
+            left = self._waiting.pop(task_id) - 1
+            if left:
+                self._waiting[task_id] = left
+            elif self._waiters.get(task_id) is waiter:
+                del self._waiters[task_id]
 
     async def call(
         self, agent: str, input: Any = None, *, timeout: float | None = None
@@ -200,6 +238,9 @@ class Client:
             self.duplicates += 1
             return
         self._results[task_id] = result
+        self.results_received += 1
+        while len(self._results) > self.keep_results:
+            self._results.popitem(last=False)
         waiter = self._waiters.pop(task_id, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(result)

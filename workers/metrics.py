@@ -8,6 +8,8 @@ answers from the live connections, not from a thread's guess:
   backlog, the projections' lag) are read at scrape time, with a time limit.
 * ``GET /healthz``: 200 and a JSON body when the process can do its job (broker connected and
   consuming, database answering), 503 with the reason otherwise (starting, stopping, an outage).
+  Its ``horizon`` names the transaction holding back readers of the log (projections): pid,
+  database, state, age; null when none does, absent when the database could not be asked.
 
 The metric names and what each means are listed in the README ("Metrics").
 """
@@ -36,7 +38,7 @@ from events.codec import dumps
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-    from events.postgres import PostgresEventStore
+    from events.postgres import HorizonHolder, PostgresEventStore
 
 __all__ = ["Health", "HttpServer", "Metrics", "MetricsPortUnavailable"]
 
@@ -177,11 +179,13 @@ class HttpServer:
         port: int,
         refresh: Callable[[], Awaitable[None]] | None = None,
         refresh_timeout: float = 2.0,
+        horizon: Callable[[], Awaitable[HorizonHolder | None]] | None = None,
     ) -> None:
         self.metrics = metrics
         self.host = host
         self.port = port
         self._health = health
+        self._horizon = horizon
         self._refresh = refresh
         self._refresh_timeout = refresh_timeout
         self._runner: web.AppRunner | None = None
@@ -229,16 +233,26 @@ class HttpServer:
             health = await asyncio.wait_for(self._health(), self._refresh_timeout + 1)
         except Exception as error:
             health = Health(False, {"error": repr(error)})
+        detail = dict(health.detail)
+        if self._horizon is not None:
+            try:
+                holder = await asyncio.wait_for(self._horizon(), self._refresh_timeout)
+                detail["horizon"] = holder.to_json() if holder is not None else None
+            except Exception as error:  # the database is down: the detail above says so
+                log.debug("healthz: horizon not read: %r", error)
         return web.Response(
-            body=dumps({"status": "ok" if health.healthy else "unavailable", **health.detail}),
+            body=dumps({"status": "ok" if health.healthy else "unavailable", **detail}),
             status=200 if health.healthy else 503,
             content_type="application/json",
         )
 
 
-async def database_gauges(metrics: Metrics, store: PostgresEventStore) -> None:
-    """Read the outbox backlog and the projections' lag into their gauges."""
-    metrics.outbox_backlog.set(await store.outbox_size())
+async def database_gauges(
+    metrics: Metrics, store: PostgresEventStore, *, deployment: str | None = None
+) -> None:
+    """Read the outbox backlog (of ``deployment``: the rows its relays may publish) and the
+    projections' lag into their gauges."""
+    metrics.outbox_backlog.set(await store.outbox_size(deployment=deployment))
     await projection_gauges(metrics, store.engine)
 
 

@@ -39,12 +39,15 @@ class OutboxPublisher:
         observer: Observer,
         *,
         poll_interval: float,
+        deployment: str | None = None,
         on_unroutable: Callable[[OutboxMessage], Awaitable[bool]] | None = None,
     ) -> None:
         self.broker = broker
         self.store = store
         self.observer = observer
         self.poll_interval = poll_interval
+        self.deployment = deployment
+        """The relay takes only rows its deployment (queue prefix) wrote (defect g)."""
         self.on_unroutable = on_unroutable
         """Acts on a committed message no queue takes; True once that is done (durably), and
         only then is its row forgotten (else the relay meets it again later)."""
@@ -132,7 +135,7 @@ class OutboxPublisher:
         while True:
             try:
                 entries = unsent or await self.store.claim_outbox(
-                    limit=RELAY_BATCH, lease=RELAY_LEASE
+                    limit=RELAY_BATCH, lease=RELAY_LEASE, deployment=self.deployment
                 )
                 unsent = []
                 if entries:

@@ -87,6 +87,7 @@ class Worker:
             store,
             self.observer,
             poll_interval=settings.outbox_poll_interval,
+            deployment=self.names.prefix,
             on_unroutable=self._unroutable,
         )
         self.recorder = Recorder(

@@ -384,6 +384,58 @@ class EventStoreContract:
             await store.delete_outbox(list(result.outbox_ids))
         assert await store.delete_outbox([]) is None
 
+    async def test_a_relay_of_one_deployment_claims_only_that_deployments_outbox_rows(
+        self, store: EventStore
+    ) -> None:
+        ours, theirs = f"ours-{uuid.uuid4()}.", f"theirs-{uuid.uuid4()}."
+        sizes = {d: await store.outbox_size(deployment=d) for d in (ours, theirs)}
+        rows: dict[str, set[int]] = {}
+        for deployment in (ours, theirs):
+            result = await store.append(
+                new_stream(),
+                0,
+                [NewEvent(uuid.uuid4(), "Probe", {}, {"deployment": deployment})],
+                prev_hash=GENESIS_HASH,
+                outbox=[message(deployment), message(deployment)],
+                outbox_delay=0,
+            )
+            rows[deployment] = set(result.outbox_ids)
+        everything = rows[ours] | rows[theirs]
+        try:
+            assert {d: await store.outbox_size(deployment=d) for d in (ours, theirs)} == {
+                ours: sizes[ours] + 2,
+                theirs: sizes[theirs] + 2,
+            }
+            assert everything & set(await claim_ids(store, deployment=ours, lease=30)) == rows[ours]
+            assert everything & set(await claim_ids(store, deployment=ours, lease=30)) == set()
+            claimed = await claim_ids(store, deployment=theirs, lease=30)
+            assert everything & set(claimed) == rows[theirs]
+            assert all(claimed[i].message_id.startswith(theirs) for i in rows[theirs])
+        finally:
+            await store.delete_outbox(list(everything))
+        assert {d: await store.outbox_size(deployment=d) for d in (ours, theirs)} == sizes
+
+    async def test_outbox_rows_of_no_deployment_are_claimed_by_any_relay(
+        self, store: EventStore
+    ) -> None:
+        """Rows whose events name no deployment (as every row written before the outbox knew
+        deployments) go to whichever relay comes first, as they always did."""
+        relays = (f"one-{uuid.uuid4()}.", f"another-{uuid.uuid4()}.", None)
+        sizes = [await store.outbox_size(deployment=d) for d in relays]
+        result = await store.append(
+            new_stream(), 0, probes(1), prev_hash=GENESIS_HASH, outbox=[message()], outbox_delay=0
+        )
+        mine = set(result.outbox_ids)
+        try:
+            assert [await store.outbox_size(deployment=d) for d in relays] == [
+                size + 1 for size in sizes
+            ]
+            for deployment in relays:
+                # a lease of 0 s hands the row straight back for the next relay to try
+                assert mine <= set(await claim_ids(store, deployment=deployment, lease=0))
+        finally:
+            await store.delete_outbox(list(mine))
+
     async def test_an_append_that_fails_writes_no_outbox_rows(self, store: EventStore) -> None:
         stream = new_stream()
         one = await store.append(stream, 0, probes(1), prev_hash=GENESIS_HASH)

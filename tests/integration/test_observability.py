@@ -102,7 +102,8 @@ async def test_metrics_of_a_running_worker_move_as_tasks_flow(
             # the database's outbox, read at scrape time: rows are forgotten shortly after they
             # are published, so the gauge falls to what the table holds once all is quiet
             _, text = await get(f"{base}/metrics")
-            return value(text, "waystation_outbox_backlog") == await store.outbox_size()
+            backlog = await store.outbox_size(deployment=settings.queue_prefix)
+            return value(text, "waystation_outbox_backlog") == backlog
 
         await eventually(backlog_read, 20, "the outbox backlog gauge to match the table")
         _, after = await get(f"{base}/metrics")

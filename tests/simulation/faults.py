@@ -220,18 +220,20 @@ class FaultyStore(EventStore):
         await self._enter("read")
         return await self.inner.read_all(after, limit)
 
-    async def claim_outbox(self, limit: int = 100, lease: float = 30.0) -> list[OutboxEntry]:
+    async def claim_outbox(
+        self, limit: int = 100, lease: float = 30.0, *, deployment: str | None = None
+    ) -> list[OutboxEntry]:
         await self._enter("claim")
-        return await self.inner.claim_outbox(limit, lease)
+        return await self.inner.claim_outbox(limit, lease, deployment=deployment)
 
     async def delete_outbox(self, ids: Sequence[int]) -> None:
         await self._enter("delete")
         await self.inner.delete_outbox(ids)
         self._lost("delete")
 
-    async def outbox_size(self) -> int:
+    async def outbox_size(self, *, deployment: str | None = None) -> int:
         await self._enter("read")
-        return await self.inner.outbox_size()
+        return await self.inner.outbox_size(deployment=deployment)
 
     async def claim_expired_calls(
         self, limit: int = 100, lease: float = 30.0, *, deployment: str | None = None

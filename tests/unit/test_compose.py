@@ -121,3 +121,21 @@ def test_every_compose_command_is_a_command_of_the_cli() -> None:
             command = found
         # what is left must parse as that command's options
         command.make_context(command.name or "", words)
+
+
+def _rabbitmq_conf() -> dict[str, str]:
+    lines = (COMPOSE / "rabbitmq" / "rabbitmq.conf").read_text().splitlines()
+    pairs = (line.split("=", 1) for line in lines if "=" in line and not line.startswith("#"))
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
+def test_the_broker_refuses_messages_larger_than_a_worker_accepts() -> None:
+    """A worker reads a whole body into memory before it can check its size: the broker's cap
+    is what bounds that memory (README, "Configuration"). It is the workers' body limit plus
+    their header limit, room for the properties, so nothing a worker accepts is refused."""
+    environment = _compose()["x-waystation-env"]
+    body, headers = (
+        int(environment.get(f"WAYSTATION_{name.upper()}", Settings.model_fields[name].default))
+        for name in ("max_message_bytes", "max_header_bytes")
+    )
+    assert int(_rabbitmq_conf()["max_message_size"]) == body + headers

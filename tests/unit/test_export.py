@@ -344,13 +344,13 @@ class CommitOrderLog(EventStore):
     async def append(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
-    async def claim_outbox(self, limit: int = 100, lease: float = 30.0) -> Any:
+    async def claim_outbox(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
     async def delete_outbox(self, ids: Sequence[int]) -> None:
         raise NotImplementedError
 
-    async def outbox_size(self) -> int:
+    async def outbox_size(self, **kwargs: Any) -> int:
         raise NotImplementedError
 
     async def claim_expired_calls(self, *args: Any, **kwargs: Any) -> Any:

@@ -64,6 +64,8 @@ def print_projection_status(statuses: list[ProjectionStatus]) -> None:
             f"{s.name:<14} {s.position.global_position:>10} {s.events:>9} {s.behind:>8} "
             f"{_age(s.lag_seconds):>7}  {'active' if s.active else 'none'}"
         )
+    if statuses and statuses[0].horizon is not None:  # the same for every projection
+        click.echo(f"horizon held by {statuses[0].horizon.describe()}")
 
 
 def _age(seconds: float) -> str:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from .wiring import load_settings, projection_engine, run
+from .wiring import load_settings, run
 
 if TYPE_CHECKING:
     from ..settings import Settings
@@ -119,7 +119,8 @@ async def _serve(app: Any, settings: Settings) -> None:
         instance.health,
         host=settings.metrics_host,
         port=settings.metrics_port,
-        refresh=lambda: database_gauges(metrics, store),
+        refresh=lambda: database_gauges(metrics, store, deployment=settings.queue_prefix),
+        horizon=store.horizon_holder,
     )
     stop = _stop_on_signal()
     try:
@@ -135,12 +136,14 @@ async def _serve(app: Any, settings: Settings) -> None:
 
 async def _run_projections(settings: Settings) -> None:
     import migrations
-    from projections.postgres import ProjectionRunner
+    from events.postgres import horizon_holder
+    from projections.postgres import PROJECTIONS, ProjectionRunner, create_engine
 
     from ..metrics import Health, HttpServer, Metrics, projection_gauges
 
     await migrations.upgrade(settings.database_url)
-    engine = projection_engine(settings)
+    # each projection holds a connection while it runs; /healthz and /metrics need their own
+    engine = create_engine(settings.database_url, pool_size=len(PROJECTIONS) + 2)
     runner = ProjectionRunner(
         engine,
         batch_size=settings.projection_batch_size,
@@ -162,6 +165,7 @@ async def _run_projections(settings: Settings) -> None:
         host=settings.metrics_host,
         port=settings.metrics_port,
         refresh=lambda: projection_gauges(metrics, engine),
+        horizon=lambda: horizon_holder(engine),
     )
     stop = _stop_on_signal()
     await server.start()
