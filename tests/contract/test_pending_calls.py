@@ -168,11 +168,16 @@ class PendingCallsContract:
     ) -> None:
         task_id = await tasks.paused([PAST, FUTURE, PAST + 1], agent="slowpoke")
         other = await tasks.paused([FUTURE])
+        before = time.time()
         claimed = await claim_all_of_mine(store, tasks)
-        assert sorted(claimed, key=lambda c: c.subtask_id) == [
-            ExpiredCall(subtask_id=f"{task_id}:1:0", task_id=task_id, agent="slowpoke"),
-            ExpiredCall(subtask_id=f"{task_id}:1:2", task_id=task_id, agent="slowpoke"),
+        after = time.time()
+        assert sorted((c.subtask_id, c.task_id, c.agent) for c in claimed) == [
+            (f"{task_id}:1:0", task_id, "slowpoke"),
+            (f"{task_id}:1:2", task_id, "slowpoke"),
         ]
+        # the store's own clock said they expired, and says when: timeouts are decided on it
+        for call in claimed:
+            assert before - 5 <= call.now <= after + 5
         assert set(await store.pending_call_deadlines(other)) == {f"{other}:1:0"}
 
     async def test_a_sweeper_of_one_deployment_claims_only_that_deployments_calls(
