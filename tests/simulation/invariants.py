@@ -292,29 +292,35 @@ def _answered_before_the_cancel(observed: Observed, task_id: str, cancelled: Rec
 def _answered_then_cancelled_across_a_crash(
     observed: Observed, task_id: str, events: list[RecordedEvent]
 ) -> bool:
-    """The one case where a publisher may hear two answers (README, "Cancelling"): a task that
-    calls no peers records nothing (G10), answered ``ok``, and its worker died before acking it;
-    a cancel was recorded before the redelivery, which then answers ``cancelled``. Nothing in
-    the log can tell that the first run answered."""
+    """The one case where a publisher may hear two answers (README, "Cancellation"): a task that
+    calls no peers records nothing (G10); it answered ``ok`` (having looked at the log before the
+    cancel committed), and its worker died before acking it; the redelivery, after the cancel,
+    answers ``cancelled``. Nothing in the log can tell that the first run answered."""
     if not (len(events) == 1 and events[0].event_type == "TaskCancelled"):
         return False
+    cancelled_at = events[0].recorded_at
     answers = [
-        (m.enqueued_at, loads(m.body)["status"])
+        m
         for m in observed.published
         if m.routing_key == RESULTS and m.properties.get("correlation_id") == task_id
     ]
-    task_messages = [
-        m
+    returned = any(
+        m.delivery_count or m.acquired_count
         for m in observed.published
         if m.properties.get("message_id") == task_id and m.properties.get("type") == "task"
-    ]
-    cancelled_at = events[0].recorded_at
-    returned = any(m.delivery_count or m.acquired_count for m in task_messages)
+    )
+    if not returned or cancelled_at is None:
+        return False
+    statuses = {loads(m.body)["status"] for m in answers}
+    late_cancelled = all(
+        m.enqueued_at >= cancelled_at.timestamp()
+        for m in answers
+        if loads(m.body)["status"] == "cancelled"
+    )
     return (
-        returned
-        and cancelled_at is not None
-        and {status for _, status in answers} == {"ok", "cancelled"}
-        and all((at < cancelled_at.timestamp()) == (status == "ok") for at, status in answers)
+        statuses == {"ok", "cancelled"}
+        and late_cancelled
+        and _answered_before_the_cancel(observed, task_id, events[0])
     )
 
 

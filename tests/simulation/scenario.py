@@ -66,6 +66,8 @@ class Scenario:
     @classmethod
     def generate(cls, seed: int) -> Scenario:
         rng = random.Random(seed)
+        if rng.random() < 0.1:
+            return cls._deadline_storm(seed, rng)
         workers = rng.randint(1, 3)
         tasks = tuple(_task(rng, seed, n) for n in range(rng.randint(1, 4)))
         return cls(
@@ -82,6 +84,35 @@ class Scenario:
             drops=tuple(sorted(rng.uniform(0, 20) for _ in range(rng.randint(0, 2)))),
             duplicate_rate=rng.choice((0.0, 0.0, 0.05)),
             skews=tuple(rng.uniform(-2.0, 2.0) for _ in range(workers)),
+        )
+
+    @classmethod
+    def _deadline_storm(cls, seed: int, rng: random.Random) -> Scenario:
+        """One worker, short deadlines that a slow peer often misses, and slow handlers run in
+        place across other tasks' deadlines: sweeps, timeouts and resumes all at once."""
+        tasks = tuple(
+            TaskSpec(
+                f"s{seed}-o{n}",
+                "orchestrator",
+                rng.uniform(0, 3),
+                rounds=tuple(
+                    tuple(
+                        (rng.choice(("researcher", "oracle")), rng.randint(1, 9))
+                        for _ in range(rng.randint(1, 2))
+                    )
+                    for _ in range(rng.randint(1, 2))
+                ),
+                timeout=rng.choice((2.0, 3.0, 5.0)),
+                slow=rng.choice((0.0, 12.0, 20.0)),
+            )
+            for n in range(rng.randint(2, 5))
+        )
+        return cls(
+            seed=seed,
+            workers=1,
+            tasks=tasks,
+            resume_in_place=True,
+            skews=(rng.uniform(-2.0, 2.0),),
         )
 
     def without(self, kind: str) -> Scenario:

@@ -40,7 +40,7 @@ CANCELS = "sim.cancels"
 GONE = "sim.gone"
 """The reply queue of a publisher that left: no such queue exists."""
 QUIET_CHECK = 2.0
-QUIET_GRACE = 15.0
+QUIET_GRACE = 10.0
 """Virtual seconds a quiet world must stay quiet: late replies, duplicates, the relay."""
 HORIZON = 900.0
 """Virtual seconds after which a run that has not settled counts as stuck."""
@@ -369,7 +369,7 @@ class _World:
 
         rng = random.Random(f"{self.scenario.seed}:projection")
         while True:
-            await asyncio.sleep(rng.uniform(0.2, 3.0))
+            await asyncio.sleep(rng.uniform(0.5, 5.0))
             batch = await self.store.read_all(self.cursor, limit=rng.randint(1, 50))
             if batch:
                 apply_feed(self.projected, self.streams, batch)

@@ -39,7 +39,8 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
         return dead(
             "missing-property", "a task needs a message_id (its task id)", tell_publisher=True
         )
-    if delivery.redelivered or HEADER_ATTEMPTS in delivery.headers:
+    again = delivery.redelivered or HEADER_ATTEMPTS in delivery.headers
+    if again:
         # it may have been recorded already: by its first holder, or by the run a retry of
         # its own came from (a worker that died between retrying and acking leaves both)
         recorded = await flows.recorder.load(task_id)
@@ -77,7 +78,11 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
             now=flows.clock(),
             default_timeout=flows.default_timeout(spec),
             start=start,
-            record_completion=flows.settings.audit_all_tasks,
+            # a completion is recorded with auditing on, and when this delivery is a retry or a
+            # redelivery: another run of the same task (the line a dying worker's retry left,
+            # or the run that died) may be failing or answering meanwhile, and only the log can
+            # settle which answer stands
+            record_completion=flows.settings.audit_all_tasks or again,
             max_timeout=flows.settings.max_call_duration,
         )
     except Exception as error:
