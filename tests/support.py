@@ -1,8 +1,12 @@
 """Helpers shared by the tests: real services, isolated per run, and workers to run against them.
 
 Services: ``WAYSTATION_TEST_DATABASE_URL`` / ``WAYSTATION_TEST_AMQP_URL`` when set; else
-testcontainers when a Docker engine answers; else the local services (127.0.0.1). When neither
-can be reached the integration tests skip, except under CI (``CI`` set), where they fail.
+testcontainers when a Docker engine answers; else the local services (127.0.0.1).
+
+Whatever a test needs beyond them (the services themselves, ``rabbitmqctl``, the PostgreSQL
+cluster tools) it asks for with :func:`require`: a missing capability skips the test locally,
+saying exactly what is missing, and fails it under CI (``CI`` set to anything), where a skip
+would pass unnoticed. That rule lives there and nowhere else.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import asyncio
 import contextlib
 import inspect
 import os
+import pwd
 import random
 import re
 import shutil
@@ -28,6 +33,7 @@ from typing import Any
 from urllib.parse import quote, urlparse
 
 import aio_pika
+import pytest
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
@@ -50,12 +56,40 @@ LOCAL_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 
 
 @dataclass(frozen=True)
+class Capability:
+    """Something a test needs beyond its fixtures: a tool on this host, a service, a privilege."""
+
+    name: str
+    missing: str | None = None
+    """Exactly what is missing, or None when the capability is here."""
+
+    def __bool__(self) -> bool:
+        # ``if services.rabbitmqctl:`` would silently run a weaker test: ask require() instead
+        raise TypeError(f"use require() to depend on {self.name}, not its truth value")
+
+
+def require(capability: Capability, why: str) -> None:
+    """Go on when ``capability`` is here; otherwise fail under CI and skip elsewhere.
+
+    Under CI (the ``CI`` variable set to anything non-empty) every capability must be present,
+    so a test that cannot run fails rather than skipping out of sight. Locally the skip names
+    what is missing, so a developer knows what to install.
+    """
+    if capability.missing is None:
+        return
+    message = f"{why} needs {capability.name}, but {capability.missing}"
+    if os.environ.get("CI"):
+        pytest.fail(f"{message} (under CI a missing capability fails)", pytrace=False)
+    pytest.skip(message)
+
+
+@dataclass(frozen=True)
 class Services:
     admin_database_url: str
     """A URL whose server lets us create and drop databases."""
     amqp_url: str
-    rabbitmqctl: bool
-    """Whether ``rabbitmqctl`` reaches this broker (local services only)."""
+    rabbitmqctl: Capability
+    """``rabbitmqctl`` on this host, reaching this broker (local services only)."""
 
 
 def docker_engine_available() -> bool:
@@ -84,10 +118,19 @@ def started_services() -> Iterator[Services]:
     database_url = os.environ.get("WAYSTATION_TEST_DATABASE_URL")
     amqp_url = os.environ.get("WAYSTATION_TEST_AMQP_URL")
     if database_url or amqp_url or not docker_engine_available():
+        if amqp_url:
+            missing: str | None = (
+                "the broker is given by WAYSTATION_TEST_AMQP_URL, and rabbitmqctl only reaches "
+                "the broker of this host"
+            )
+        elif shutil.which("rabbitmqctl") is None:
+            missing = "rabbitmqctl is not on PATH (install rabbitmq-server here)"
+        else:
+            missing = None
         yield Services(
             admin_database_url=database_url or LOCAL_DATABASE_URL,
             amqp_url=amqp_url or LOCAL_AMQP_URL,
-            rabbitmqctl=shutil.which("rabbitmqctl") is not None and amqp_url is None,
+            rabbitmqctl=Capability("rabbitmqctl", missing),
         )
         return
     from testcontainers.postgres import PostgresContainer
@@ -101,7 +144,11 @@ def started_services() -> Iterator[Services]:
         yield Services(
             admin_database_url=postgres.get_connection_url(),
             amqp_url=f"amqp://guest:guest@{params.host}:{params.port}/",
-            rabbitmqctl=False,
+            rabbitmqctl=Capability(
+                "rabbitmqctl",
+                "the services run in testcontainers (a Docker engine answered), and rabbitmqctl "
+                "cannot reach the broker inside its container",
+            ),
         )
 
 
@@ -381,23 +428,9 @@ async def close_broker_connections(connection_name: str) -> int:
 
     Local brokers only (``Services.rabbitmqctl``). Returns how many connections were closed.
     """
-
-    async def rabbitmqctl(*args: str) -> str:
-        process = await asyncio.create_subprocess_exec(
-            "rabbitmqctl", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-        )
-        out, err = await process.communicate()
-        if process.returncode != 0:
-            raise RuntimeError(f"rabbitmqctl {args[0]}: {(err or out).decode().strip()}")
-        return out.decode()
-
-    listing = await rabbitmqctl(
-        "list_connections", "-q", "--no-table-headers", "pid", "client_properties"
-    )
-    marker = f'{{"connection_name","{connection_name}"}}'
-    pids = [line.split("\t", 1)[0] for line in listing.splitlines() if marker in line]
+    pids = await _connection_pids(connection_name)
     for pid in pids:
-        await rabbitmqctl("close_connection", pid, "closed by a Waystation test")
+        await run_rabbitmqctl("close_connection", pid, "closed by a Waystation test")
     return len(pids)
 
 
@@ -462,13 +495,18 @@ async def close_all_broker_connections(vhost: str) -> None:
     )
 
 
-async def unacked_messages_of(connection_name: str) -> int:
-    """Messages the broker has delivered to that client and not yet seen settled (rabbitmqctl)."""
-    connections = await run_rabbitmqctl(
+async def _connection_pids(connection_name: str) -> list[str]:
+    """The broker's ids of every connection a client opened under ``connection_name``."""
+    listing = await run_rabbitmqctl(
         "list_connections", "-q", "--no-table-headers", "pid", "client_properties"
     )
     marker = f'{{"connection_name","{connection_name}"}}'
-    pids = {line.split("\t", 1)[0] for line in connections.splitlines() if marker in line}
+    return [line.split("\t", 1)[0] for line in listing.splitlines() if marker in line]
+
+
+async def unacked_messages_of(connection_name: str) -> int:
+    """Messages the broker has delivered to that client and not yet seen settled (rabbitmqctl)."""
+    pids = set(await _connection_pids(connection_name))
     channels = await run_rabbitmqctl(
         "list_channels", "-q", "--no-table-headers", "connection", "messages_unacknowledged"
     )
@@ -529,21 +567,40 @@ class PostgresCluster:
     port: int
 
     @classmethod
-    def serving(cls, database_url: str) -> PostgresCluster | None:
-        """The local cluster serving ``database_url``, or None (remote, or no pg tools here)."""
-        if any(shutil.which(tool) is None for tool in PG_TOOLS):
-            return None
+    def serving(cls, database_url: str, why: str) -> PostgresCluster:
+        """The local cluster serving ``database_url``, which a test ``why`` needs (a scratch
+        cluster of the same version is made with the same tools): see :func:`require`."""
+        found = cls._find(database_url)
+        require(
+            Capability(
+                "a local PostgreSQL cluster managed with postgresql-common",
+                found if isinstance(found, str) else None,
+            ),
+            why,
+        )
+        assert isinstance(found, PostgresCluster)
+        return found
+
+    @classmethod
+    def _find(cls, database_url: str) -> PostgresCluster | str:
+        """The cluster, or exactly what is missing to use one."""
+        absent = [tool for tool in PG_TOOLS if shutil.which(tool) is None]
+        if absent:
+            return f"{', '.join(absent)} not on PATH (install postgresql-common here)"
         url = make_url(database_url)
         if url.host not in (None, "", "localhost", "127.0.0.1", "::1"):
-            return None
+            return f"the test database is on {url.host}, not on this host"
+        if os.geteuid() != 0 and pwd.getpwuid(os.geteuid()).pw_name != "postgres":
+            return "pg_createcluster and pg_ctlcluster need root or the postgres user"
+        port = str(url.port or 5432)
         listing = subprocess.run(
             ["pg_lsclusters", "--no-header"], capture_output=True, text=True, check=False
         ).stdout
         for line in listing.splitlines():
             fields = line.split()
-            if len(fields) >= 3 and fields[2] == str(url.port or 5432):
+            if len(fields) >= 3 and fields[2] == port:
                 return cls(fields[0], fields[1], int(fields[2]))
-        return None
+        return f"pg_lsclusters lists no cluster on port {port} (testcontainers, say)"
 
     @classmethod
     @contextlib.asynccontextmanager

@@ -32,6 +32,7 @@ from ..support import (
     eventually,
     fanout_inputs,
     fanout_problems,
+    require,
     settle_run,
     start_example_workers,
     wait_for_consumers,
@@ -109,8 +110,7 @@ async def test_300_tasks_survive_a_worker_killed_mid_run(
 async def test_a_worker_whose_broker_connection_is_closed_mid_run_reconnects_and_repeats_nothing(
     settings: Settings, store: PostgresEventStore, services: Services, tmp_path: Path
 ) -> None:
-    if not services.rabbitmqctl:
-        pytest.skip("closing a broker connection needs rabbitmqctl on this host")
+    require(services.rabbitmqctl, "closing a worker's broker connection")
     tasks = 150
     seed = random.randrange(2**32)
     workers = [WorkerProcess(settings, log_path=tmp_path / f"worker-{i}.log") for i in range(2)]

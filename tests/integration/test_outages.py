@@ -57,6 +57,7 @@ from ..support import (
     log_lines,
     paused_count,
     queue_depth,
+    require,
     settle_run,
     start_example_workers,
     stats_env,
@@ -114,8 +115,7 @@ async def _submit_and_wait_for(
 async def test_200_tasks_survive_every_broker_connection_being_closed(
     settings: Settings, store: PostgresEventStore, services: Services, tmp_path: Path
 ) -> None:
-    if not services.rabbitmqctl:
-        pytest.skip("closing every broker connection needs rabbitmqctl on this host")
+    require(services.rabbitmqctl, "closing every broker connection")
     seed = random.randrange(2**32)
     async with temporary_vhost(services.amqp_url) as (vhost, amqp_url):
         settings = settings.model_copy(update={"amqp_url": amqp_url})
@@ -184,19 +184,21 @@ async def test_200_tasks_survive_every_broker_connection_being_closed(
 async def test_200_tasks_survive_a_postgresql_restart(
     settings: Settings, services: Services, tmp_path: Path
 ) -> None:
-    home = PostgresCluster.serving(settings.database_url)
-    if home is None:
-        pytest.skip("restarting PostgreSQL needs pg_ctlcluster and a local test database")
+    home = PostgresCluster.serving(settings.database_url, "restarting PostgreSQL")
+    # the delivery limit as in production: a message requeued in a loop is dead-lettered, and
+    # the dead-letter queue must stay empty (without the policy that check proves nothing)
+    require(services.rabbitmqctl, "the delivery-limit policy of the PostgreSQL restart")
     seed = random.randrange(2**32)
     names = Names(settings.queue_prefix)
     # The restart hits a scratch cluster of the same version, not the one serving the rest of
     # the suite: another test run on this machine must not see its database go away.
     async with PostgresCluster.scratch(home.version) as cluster:
-        update: dict[str, object] = {"database_url": cluster.url("waystation_outage")}
-        if services.rabbitmqctl:
-            # the delivery limit as in production: a message requeued in a loop is dead-lettered
-            update["broker_policy"] = "rabbitmqctl"
-        settings = settings.model_copy(update=update)
+        settings = settings.model_copy(
+            update={
+                "database_url": cluster.url("waystation_outage"),
+                "broker_policy": "rabbitmqctl",
+            }
+        )
         await migrations.upgrade(settings.database_url)
         store = PostgresEventStore.from_url(settings.database_url, pool_size=5)
         workers = _workers(settings, tmp_path)
@@ -266,9 +268,8 @@ async def test_200_tasks_survive_a_postgresql_restart(
             for worker in workers:
                 worker.terminate(timeout=15)
             await store.close()
-            if services.rabbitmqctl:
-                with contextlib.suppress(RuntimeError):  # no worker got to set it
-                    await clear_policy(names)
+            with contextlib.suppress(RuntimeError):  # no worker got to set it
+                await clear_policy(names)
 
 
 @pytest.mark.timeout(120)
@@ -278,9 +279,7 @@ async def test_a_worker_signalled_while_postgresql_is_down_exits_0_and_nothing_i
     """SIGTERM during a database outage (a rolling restart during a failover, say): the worker
     stops retrying, hands back what it holds, and exits 0 within the grace period; once
     PostgreSQL is back a replacement completes every task exactly once."""
-    home = PostgresCluster.serving(settings.database_url)
-    if home is None:
-        pytest.skip("stopping PostgreSQL needs pg_ctlcluster and a local test database")
+    home = PostgresCluster.serving(settings.database_url, "stopping PostgreSQL")
     grace = 10.0
     tasks = 100
     seed = random.randrange(2**32)
