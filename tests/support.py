@@ -54,6 +54,10 @@ ROOT = Path(__file__).resolve().parent.parent
 LOCAL_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
 LOCAL_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 
+WINDOW = 2.0
+"""Seconds of an outbox delay, a lease or a deadline that a test must still see in force at its
+next statement: that statement certainly comes sooner, on a slow and busy machine too."""
+
 
 @dataclass(frozen=True)
 class Capability:

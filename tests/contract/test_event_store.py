@@ -42,6 +42,8 @@ from events.codec import dumps
 from events.memory import InMemoryEventStore
 from events.postgres import PostgresEventStore
 
+from ..support import WINDOW, eventually
+
 # ---- helpers -------------------------------------------------------------------------------------
 
 
@@ -336,15 +338,27 @@ class EventStoreContract:
         messages = [message("a"), message("b")]
         size = await store.outbox_size()
         result = await store.append(
-            new_stream(), 0, probes(1), prev_hash=GENESIS_HASH, outbox=messages, outbox_delay=0.3
+            new_stream(),
+            0,
+            probes(1),
+            prev_hash=GENESIS_HASH,
+            outbox=messages,
+            outbox_delay=WINDOW,
         )
         mine = set(result.outbox_ids)
+        claimed: dict[int, OutboxMessage] = {}
+
+        async def claimable() -> bool:
+            claimed.update(
+                (i, m) for i, m in (await claim_ids(store, lease=30)).items() if i in mine
+            )
+            return bool(claimed)
+
         try:
             assert len(mine) == 2
             assert not mine & set(await claim_ids(store))  # the writer publishes first
             assert await store.outbox_size() == size + 2
-            await asyncio.sleep(0.4)
-            claimed = {i: m for i, m in (await claim_ids(store, lease=30)).items() if i in mine}
+            await eventually(claimable, 30, "the rows to be claimable after the delay", 0.2)
             assert sorted(claimed) == sorted(mine) == sorted(result.outbox_ids)
             assert [claimed[i] for i in sorted(claimed)] == messages  # in append order, intact
             assert not mine & set(await claim_ids(store, lease=30))  # leased: not again
@@ -359,15 +373,19 @@ class EventStoreContract:
             new_stream(), 0, probes(1), prev_hash=GENESIS_HASH, outbox=[message()], outbox_delay=0
         )
         mine = set(result.outbox_ids)
+
+        async def claimable() -> bool:
+            return mine <= set(await claim_ids(store, lease=30))
+
         try:
-            assert mine <= set(await claim_ids(store, lease=0.2))
-            assert not mine & set(await claim_ids(store, lease=0.2))
-            await asyncio.sleep(0.3)
-            assert mine <= set(await claim_ids(store, lease=30))
+            assert mine <= set(await claim_ids(store, lease=WINDOW))
+            assert not mine & set(await claim_ids(store, lease=WINDOW))
+            await eventually(claimable, 30, "the row to be claimable when its lease ran out", 0.2)
+            assert not mine & set(await claim_ids(store, lease=30))  # leased again
         finally:
             await store.delete_outbox(list(mine))
 
-    async def test_claim_outbox_honours_its_limit(self, store: EventStore) -> None:
+    async def test_claim_outbox_honours_its_limit_oldest_first(self, store: EventStore) -> None:
         result = await store.append(
             new_stream(),
             0,
@@ -376,12 +394,20 @@ class EventStoreContract:
             outbox=[message() for _ in range(3)],
             outbox_delay=0,
         )
+        mine = set(result.outbox_ids)
         try:
+            # other tests' leftover rows may be claimable too (the database is the run's), but
+            # at least these three are: a limit of 2 takes exactly 2, the oldest first
             entries = await store.claim_outbox(limit=2, lease=30)
-            assert len(entries) <= 2
-            assert [e.id for e in entries] == sorted(e.id for e in entries)
+            rest = await store.claim_outbox(limit=10_000, lease=30)
+            first = [e.id for e in entries]
+            later = {e.id for e in rest}
+            assert len(first) == 2 and first == sorted(first)
+            assert not set(first) & later
+            assert mine <= set(first) | later, "every claimable row of ours was claimed"
+            assert max(first) < min(later & mine), "a newer row claimed before an older one"
         finally:
-            await store.delete_outbox(list(result.outbox_ids))
+            await store.delete_outbox(list(mine))
         assert await store.delete_outbox([]) is None
 
     async def test_an_append_that_fails_writes_no_outbox_rows(self, store: EventStore) -> None:
