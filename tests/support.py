@@ -804,6 +804,12 @@ _PAUSED_OF = text(
 )
 
 
+async def outbox_rows_of(store: PostgresEventStore, task_ids: Sequence[str]) -> int:
+    """Outbox rows of these tasks' streams not yet published and forgotten."""
+    async with store.engine.connect() as connection:
+        return int(await connection.scalar(_OUTBOX_OF, {"ids": list(task_ids)}) or 0)
+
+
 async def paused_count(store: PostgresEventStore, task_ids: Sequence[str]) -> int:
     """How many of these tasks are paused (checkpointed, not completed) right now."""
     async with store.engine.connect() as connection:
@@ -828,8 +834,7 @@ async def settle_run(
         ) from None
 
     async def outbox_drained() -> bool:
-        async with store.engine.connect() as connection:
-            return not await connection.scalar(_OUTBOX_OF, {"ids": list(task_ids)})
+        return await outbox_rows_of(store, task_ids) == 0
 
     await eventually(outbox_drained, 30, "the outbox rows of every task to be published")
     # let messages republished at least once arrive and be handled before reading the log
