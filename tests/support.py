@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlparse
+from urllib.parse import quote, unquote, urlparse
 
 import aio_pika
 import pytest
@@ -327,6 +327,8 @@ class RecordingClient(Client):
     def __init__(self, amqp_url: str, *, queue_prefix: str = "waystation.") -> None:
         super().__init__(amqp_url, queue_prefix=queue_prefix)
         self.received: list[tuple[str | None, bytes]] = []
+        self.redeliveries = 0
+        """Result messages the broker delivered to this client again (flagged redelivered)."""
 
     async def __aenter__(self) -> RecordingClient:
         await self.connect()
@@ -334,6 +336,7 @@ class RecordingClient(Client):
 
     async def _on_result(self, message: AbstractIncomingMessage) -> None:
         self.received.append((message.correlation_id, bytes(message.body)))
+        self.redeliveries += bool(message.redelivered)
         await super()._on_result(message)
 
     def bodies(self, task_id: str) -> list[bytes]:
@@ -417,6 +420,44 @@ async def publish_reply(
         ),
         routing_key=request.reply_to,
         mandatory=True,
+    )
+
+
+def repeated_results(client: RecordingClient) -> int:
+    """Result messages received beyond the first of each task."""
+    return len(client.received) - len({task_id for task_id, _ in client.received})
+
+
+def relayed_messages(workers: Sequence[WorkerProcess]) -> int:
+    """Messages the workers' outbox relays published, read from their logs (so a worker that
+    was killed counts too)."""
+    found = (
+        re.search(r"outbox relay published (\d+) message", line)
+        for line in log_lines(workers, "outbox relay published")
+    )
+    return sum(int(match.group(1)) for match in found if match)
+
+
+def unexplained_repeats(client: RecordingClient, workers: Sequence[WorkerProcess]) -> list[str]:
+    """Results are delivered at least once, not at random: a result message comes twice only
+    when the outbox relay published it again (its writer died, or forgot the row late) or the
+    broker delivered it to the client again. More repeats than those two explain is a worker
+    publishing a result twice."""
+    repeats = repeated_results(client)
+    relayed = relayed_messages(workers)
+    if repeats <= relayed + client.redeliveries:
+        return []
+    return [
+        f"{repeats} result messages repeated, but the relays published only {relayed} "
+        f"messages and the broker redelivered {client.redeliveries} results"
+    ]
+
+
+def result_messages(client: RecordingClient, workers: Sequence[WorkerProcess]) -> str:
+    """The result messages of a run and what explains their repeats, for a test's report."""
+    return (
+        f"result messages {len(client.received)} (repeated {repeated_results(client)}; "
+        f"relayed messages {relayed_messages(workers)}; redelivered {client.redeliveries})"
     )
 
 
@@ -520,6 +561,63 @@ async def unacked_messages_of(connection_name: str) -> int:
         if pid in pids:
             total += int(unacked)
     return total
+
+
+def vhost_of(amqp_url: str) -> str:
+    path = urlparse(amqp_url).path
+    return unquote(path[1:]) if len(path) > 1 else "/"
+
+
+async def busy_queues(amqp_url: str, prefix: str) -> dict[str, tuple[int, int]]:
+    """Queues of the deployment under ``prefix`` that hold messages, ready or delivered and
+    not yet settled, dead letters aside: ``{queue: (ready, unacked)}`` (rabbitmqctl)."""
+    listing = await run_rabbitmqctl(
+        "list_queues",
+        "-p",
+        vhost_of(amqp_url),
+        "-q",
+        "--no-table-headers",
+        "name",
+        "messages_ready",
+        "messages_unacknowledged",
+    )
+    dead = Names(prefix).dead_letter_queue
+    busy: dict[str, tuple[int, int]] = {}
+    for line in listing.splitlines():
+        name, ready, unacked = line.split("\t")
+        if name.startswith(prefix) and name != dead and (int(ready) or int(unacked)):
+            busy[name] = (int(ready), int(unacked))
+    return busy
+
+
+async def deployment_quiet(
+    settings: Settings, store: PostgresEventStore, task_ids: Sequence[str], within: float = 60
+) -> None:
+    """Wait until nothing more can happen to these tasks: no outbox row left to publish and no
+    message of the deployment in a queue or in a worker's hands (rabbitmqctl).
+
+    A row is deleted only once its message was confirmed, and a worker acks a message only
+    after publishing what it implied: read in this order (rows, queues, rows again), a quiet
+    deployment cannot be hiding a message in between.
+    """
+    busy: dict[str, tuple[int, int]] = {}
+    rows = 0
+
+    async def quiet() -> bool:
+        nonlocal busy, rows
+        rows = await outbox_rows_of(store, task_ids)
+        if rows:
+            return False
+        busy = await busy_queues(settings.amqp_url, settings.queue_prefix)
+        if busy:
+            return False
+        rows = await outbox_rows_of(store, task_ids)
+        return rows == 0
+
+    try:
+        await eventually(quiet, within, "the deployment to go quiet", interval=0.2)
+    except AssertionError as error:
+        raise AssertionError(f"{error}: {rows} outbox rows, queues {busy}") from None
 
 
 async def _queue_counts(amqp_url: str, queue: str) -> tuple[int, int]:
@@ -824,7 +922,8 @@ async def settle_run(
     logs: Callable[[], str],
     within: float = 60,
 ) -> None:
-    """Wait for every result, then for the outbox to drain and stray republishes to land."""
+    """Wait for every result, then until the deployment is quiet: stray republishes handled,
+    so that the log read next is final (rabbitmqctl: see :func:`deployment_quiet`)."""
     try:
         await eventually(lambda: len(collector.results) == len(task_ids), within, "every result")
     except AssertionError as error:
@@ -833,13 +932,7 @@ async def settle_run(
             f"{error}; {len(missing)} missing, e.g. {missing[:5]}\n{logs()}"
         ) from None
 
-    async def outbox_drained() -> bool:
-        return await outbox_rows_of(store, task_ids) == 0
-
-    await eventually(outbox_drained, 30, "the outbox rows of every task to be published")
-    # let messages republished at least once arrive and be handled before reading the log
-    await asyncio.sleep(settings.outbox_delay + 1.0)
-    await eventually(outbox_drained, 30, "the outbox rows of every task to be published")
+    await deployment_quiet(settings, store, task_ids)
 
 
 async def fanout_problems(
@@ -847,10 +940,13 @@ async def fanout_problems(
     collector: RecordingClient,
     inputs: dict[str, dict[str, float | int]],
     k: int,
+    workers: Sequence[WorkerProcess],
 ) -> tuple[list[str], Counter[str]]:
-    """Everything wrong with the results and streams of one-round example orchestrator tasks.
+    """Everything wrong with the results and streams of one-round example orchestrator tasks
+    that ``workers`` served.
 
-    Each task must have one distinct, correct result; its stream: K sub-tasks claimed once
+    Each task must have one distinct, correct result, repeated no more often than the relays
+    and the broker explain (:func:`unexplained_repeats`); its stream: K sub-tasks claimed once
     each, one pause resumed once, completed once as its last decisive event, nothing else
     (audit-only ``ReplyIgnored`` aside), and a hash chain that verifies. Also returns the
     ``ReplyIgnored`` reasons seen.
@@ -862,7 +958,7 @@ async def fanout_problems(
         "TaskResumed",
         "TaskCompleted",
     ]
-    problems: list[str] = []
+    problems = unexplained_repeats(collector, workers)
     ignored: Counter[str] = Counter()
     results = collector.results
     for task_id, spec in inputs.items():
@@ -894,6 +990,27 @@ async def fanout_problems(
             problems.append(f"{task_id}: stream {types}")
         problems.extend(chain_problems(events))
     return problems, ignored
+
+
+def worker_connection_name(worker: WorkerProcess) -> str:
+    """The name a worker process gives its broker connection."""
+    return f"waystation worker {socket.gethostname()}-{worker.pid}"
+
+
+async def freeze_holding_work(worker: WorkerProcess, attempts: int = 30) -> int:
+    """Freeze ``worker`` (SIGSTOP) at a moment it holds deliveries it has not settled, and
+    return how many (rabbitmqctl). A frozen process settles nothing, so that is exactly the
+    work a kill or a closed connection meets next. 0 if it never held any when looked at;
+    the worker is then left running."""
+    assert worker.process is not None
+    for _ in range(attempts):
+        worker.process.send_signal(signal.SIGSTOP)
+        held = await unacked_messages_of(worker_connection_name(worker))
+        if held:
+            return held
+        worker.process.send_signal(signal.SIGCONT)
+        await asyncio.sleep(0.1)
+    return 0
 
 
 def stats_env(path: Path) -> dict[str, str]:
