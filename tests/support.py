@@ -327,8 +327,8 @@ class RecordingClient(Client):
     def __init__(self, amqp_url: str, *, queue_prefix: str = "waystation.") -> None:
         super().__init__(amqp_url, queue_prefix=queue_prefix)
         self.received: list[tuple[str | None, bytes]] = []
-        self.redeliveries = 0
-        """Result messages the broker delivered to this client again (flagged redelivered)."""
+        self.redelivered: Counter[str | None] = Counter()
+        """Per task, result messages the broker delivered to this client again."""
 
     async def __aenter__(self) -> RecordingClient:
         await self.connect()
@@ -336,7 +336,8 @@ class RecordingClient(Client):
 
     async def _on_result(self, message: AbstractIncomingMessage) -> None:
         self.received.append((message.correlation_id, bytes(message.body)))
-        self.redeliveries += bool(message.redelivered)
+        if message.redelivered:
+            self.redelivered[message.correlation_id] += 1
         await super()._on_result(message)
 
     def bodies(self, task_id: str) -> list[bytes]:
@@ -423,41 +424,73 @@ async def publish_reply(
     )
 
 
-def repeated_results(client: RecordingClient) -> int:
-    """Result messages received beyond the first of each task."""
-    return len(client.received) - len({task_id for task_id, _ in client.received})
+_RECORD_OUTBOX_CLAIMS = [
+    "CREATE TABLE IF NOT EXISTS test_outbox_claims (message_id text NOT NULL)",
+    """
+    CREATE OR REPLACE FUNCTION test_record_outbox_claim() RETURNS trigger AS $$
+    BEGIN
+        INSERT INTO test_outbox_claims (message_id) VALUES (NEW.message_id);
+        RETURN NEW;
+    END $$ LANGUAGE plpgsql
+    """,
+    """
+    CREATE OR REPLACE TRIGGER test_record_outbox_claim AFTER UPDATE OF available_at ON outbox
+    FOR EACH ROW EXECUTE FUNCTION test_record_outbox_claim()
+    """,
+]
+_CLAIMS_OF = text(
+    "SELECT message_id, count(*) FROM test_outbox_claims "
+    "WHERE message_id = ANY(CAST(:ids AS text[])) GROUP BY message_id"
+)
 
 
-def relayed_messages(workers: Sequence[WorkerProcess]) -> int:
-    """Messages the workers' outbox relays published, read from their logs (so a worker that
-    was killed counts too)."""
-    found = (
-        re.search(r"outbox relay published (\d+) message", line)
-        for line in log_lines(workers, "outbox relay published")
-    )
-    return sum(int(match.group(1)) for match in found if match)
+async def record_outbox_claims(store: PostgresEventStore) -> None:
+    """Keep, in this test database, a row for every outbox row an outbox relay claims.
+
+    The relay publishes only rows it claimed, so a message that comes twice without a claim
+    behind the second was published twice by a worker itself: see :func:`unexplained_repeats`.
+    A test-only trigger on the one statement that updates the outbox (the claim).
+    """
+    async with store.engine.begin() as connection:
+        for statement in _RECORD_OUTBOX_CLAIMS:
+            await connection.execute(text(statement))
 
 
-def unexplained_repeats(client: RecordingClient, workers: Sequence[WorkerProcess]) -> list[str]:
-    """Results are delivered at least once, not at random: a result message comes twice only
-    when the outbox relay published it again (its writer died, or forgot the row late) or the
-    broker delivered it to the client again. More repeats than those two explain is a worker
-    publishing a result twice."""
-    repeats = repeated_results(client)
-    relayed = relayed_messages(workers)
-    if repeats <= relayed + client.redeliveries:
-        return []
-    return [
-        f"{repeats} result messages repeated, but the relays published only {relayed} "
-        f"messages and the broker redelivered {client.redeliveries} results"
-    ]
+async def relay_claims(store: PostgresEventStore, message_ids: Iterable[str]) -> Counter[str]:
+    """How often a relay claimed each of these outbox messages (see record_outbox_claims)."""
+    async with store.engine.connect() as connection:
+        rows = await connection.execute(_CLAIMS_OF, {"ids": list(message_ids)})
+        return Counter({message_id: int(count) for message_id, count in rows})
 
 
-def result_messages(client: RecordingClient, workers: Sequence[WorkerProcess]) -> str:
-    """The result messages of a run and what explains their repeats, for a test's report."""
+async def unexplained_repeats(
+    store: PostgresEventStore, client: RecordingClient, task_ids: Iterable[str]
+) -> list[str]:
+    """Results are delivered at least once, not at random: a task's result message may come
+    again only as often as a relay claimed it to publish again (its writer died, or forgot the
+    row late) or the broker delivered it to the client again. A repeat beyond those is a
+    worker publishing a result twice. Needs :func:`record_outbox_claims` before the run."""
+    received = Counter(task_id for task_id, _ in client.received)
+    ids = list(task_ids)
+    claims = await relay_claims(store, [f"{task_id}:result" for task_id in ids])
+    problems = []
+    for task_id in ids:
+        repeats = received[task_id] - 1
+        explained = claims[f"{task_id}:result"] + client.redelivered[task_id]
+        if repeats > explained:
+            problems.append(
+                f"{task_id}: result repeated {repeats} times, relayed {claims[f'{task_id}:result']}"
+                f", redelivered {client.redelivered[task_id]}"
+            )
+    return problems
+
+
+def result_messages(client: RecordingClient) -> str:
+    """The result messages of a run, for a test's report."""
+    tasks = len({task_id for task_id, _ in client.received})
     return (
-        f"result messages {len(client.received)} (repeated {repeated_results(client)}; "
-        f"relayed messages {relayed_messages(workers)}; redelivered {client.redeliveries})"
+        f"result messages {len(client.received)} (repeated {len(client.received) - tasks}; "
+        f"redelivered {client.redelivered.total()})"
     )
 
 
@@ -908,6 +941,17 @@ async def outbox_rows_of(store: PostgresEventStore, task_ids: Sequence[str]) -> 
         return int(await connection.scalar(_OUTBOX_OF, {"ids": list(task_ids)}) or 0)
 
 
+async def published_everything(store: PostgresEventStore, task_ids: Sequence[str]) -> None:
+    """Wait until every message the tasks' events imply is published: an outbox row is deleted
+    only after the broker confirmed its message, so what is not in a queue now never will be
+    (G4 puts every implied message in the outbox)."""
+
+    async def drained() -> bool:
+        return await outbox_rows_of(store, task_ids) == 0
+
+    await eventually(drained, 30, "the tasks' outbox rows to be published")
+
+
 async def paused_count(store: PostgresEventStore, task_ids: Sequence[str]) -> int:
     """How many of these tasks are paused (checkpointed, not completed) right now."""
     async with store.engine.connect() as connection:
@@ -940,13 +984,12 @@ async def fanout_problems(
     collector: RecordingClient,
     inputs: dict[str, dict[str, float | int]],
     k: int,
-    workers: Sequence[WorkerProcess],
 ) -> tuple[list[str], Counter[str]]:
-    """Everything wrong with the results and streams of one-round example orchestrator tasks
-    that ``workers`` served.
+    """Everything wrong with the results and streams of one-round example orchestrator tasks.
 
     Each task must have one distinct, correct result, repeated no more often than the relays
-    and the broker explain (:func:`unexplained_repeats`); its stream: K sub-tasks claimed once
+    and the broker explain (:func:`unexplained_repeats`: the run recorded outbox claims); its
+    stream: K sub-tasks claimed once
     each, one pause resumed once, completed once as its last decisive event, nothing else
     (audit-only ``ReplyIgnored`` aside), and a hash chain that verifies. Also returns the
     ``ReplyIgnored`` reasons seen.
@@ -958,7 +1001,7 @@ async def fanout_problems(
         "TaskResumed",
         "TaskCompleted",
     ]
-    problems = unexplained_repeats(collector, workers)
+    problems = await unexplained_repeats(store, collector, inputs)
     ignored: Counter[str] = Counter()
     results = collector.results
     for task_id, spec in inputs.items():

@@ -27,8 +27,8 @@ from ..support import (
     counter,
     declare_quorum_queue,
     eventually,
-    outbox_rows_of,
     publish_reply,
+    published_everything,
     running_worker,
     stream_types,
     take,
@@ -104,16 +104,6 @@ async def every_stream_has(store: PostgresEventStore, task_ids: list[str], event
         if event_type not in await stream_types(store, task_id):
             return False
     return True
-
-
-async def published_everything(store: PostgresEventStore, task_ids: list[str]) -> None:
-    """Wait until every message the tasks' events imply is published: an outbox row is deleted
-    only after the broker confirmed its message, so what is not in a queue now never will be."""
-
-    async def drained() -> bool:
-        return await outbox_rows_of(store, task_ids) == 0
-
-    await eventually(drained, 30, "the tasks' outbox rows to be published")
 
 
 async def test_cancel_during_a_pause_cancels_every_pending_call_and_answers_once(

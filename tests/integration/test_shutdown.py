@@ -36,6 +36,7 @@ from ..support import (
     log_lines,
     paused_count,
     queue_depth,
+    record_outbox_claims,
     require,
     result_messages,
     settle_run,
@@ -102,6 +103,7 @@ async def test_a_busy_worker_drains_exits_0_and_no_task_is_lost(
     everyone = [victim, other]
     logs = worker_logs(everyone)
     try:
+        await record_outbox_claims(store)
         await start_example_workers(settings, [victim, other] if successor == "peer" else [victim])
         async with DurableResultCollector(
             settings.amqp_url, queue_prefix=settings.queue_prefix
@@ -131,13 +133,13 @@ async def test_a_busy_worker_drains_exits_0_and_no_task_is_lost(
                 await start_example_workers(settings, [other])
             await settle_run(settings, store, collector, task_ids, logs)
 
-        problems, ignored = await fanout_problems(store, collector, inputs, K, everyone)
+        problems, ignored = await fanout_problems(store, collector, inputs, K)
         settled = {k: v for k, v in worker_counters([victim]).items() if k.startswith("settled_")}
         report = (
             f"seed {seed}: {signum.name} with {done_at_signal}/{tasks} results in, "
             f"{waiting} researcher calls waiting, {unacked} unacked on the victim; it exited "
             f"{code} after {took:.2f}s (settled {settled}); {paused} tasks paused then; "
-            f"{result_messages(collector, everyone)}; ReplyIgnored {dict(ignored)}"
+            f"{result_messages(collector)}; ReplyIgnored {dict(ignored)}"
         )
         print(report)
         assert not problems, f"{report}\n{len(problems)} problems, first: {problems[:10]}\n{logs()}"
@@ -188,6 +190,7 @@ async def test_a_worker_whose_work_outlasts_the_grace_period_exits_0_and_its_wor
     everyone = [victim, replacement]
     logs = worker_logs(everyone)
     try:
+        await record_outbox_claims(store)
         await start_example_workers(settings, [victim])
         async with DurableResultCollector(
             settings.amqp_url, queue_prefix=settings.queue_prefix
@@ -220,7 +223,7 @@ async def test_a_worker_whose_work_outlasts_the_grace_period_exits_0_and_its_wor
             await start_example_workers(settings, [replacement])
             await settle_run(settings, store, collector, task_ids, logs)
 
-        problems, _ = await fanout_problems(store, collector, inputs, K, everyone)
+        problems, _ = await fanout_problems(store, collector, inputs, K)
         print(
             f"seed {seed}: grace {grace}s, exited {code} after {took:.2f}s "
             f"({expired[0].split(' WARNING ')[-1]}); {unacked} unacked at the signal"
