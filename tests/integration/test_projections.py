@@ -244,18 +244,30 @@ async def test_the_active_runner_wakes_on_notify_long_before_its_poll(
     runner = ProjectionRunner(engine, poll_interval=60.0)
     stop = asyncio.Event()
     running = asyncio.create_task(runner.run(stop))
+
+    async def appended_events(prefix: str) -> int:
+        tasks = await simulate(store, tasks=5, writers=1, seed=3, prefix=prefix, leave_paused=1.0)
+        return sum(len(e) for e in (await _streams(store, [t.task_id for t in tasks])).values())
+
     try:
-        await eventually(lambda: set(runner.active) == set(PROJECTIONS), 10, "an active runner")
-        await asyncio.sleep(0.5)  # past its first catch-up: now it waits for a notification
-        tasks = await simulate(store, tasks=5, writers=1, seed=3, leave_paused=1.0)
-        appended = sum(len(e) for e in (await _streams(store, [t.task_id for t in tasks])).values())
+        await eventually(lambda: set(runner.active) == set(PROJECTIONS), 30, "an active runner")
+        # a first batch, caught up: from then on the runner waits for a notification (or its
+        # minute-long poll), whatever the time it took to get there
+        first = await appended_events("before")
         await eventually(
-            lambda: runner.applied["paused_tasks"] == appended, 5, "the runner to apply them"
+            lambda: runner.applied["paused_tasks"] == first, 30, "the runner to catch up"
+        )
+        second = await appended_events("after")
+        # well inside the poll interval: only the notification can have woken it
+        await eventually(
+            lambda: runner.applied["paused_tasks"] == first + second,
+            20,
+            "the runner to apply the second batch",
         )
     finally:
         stop.set()
         await running
-    assert len(await _paused_rows(engine)) == 5
+    assert len(await _paused_rows(engine)) == 10
 
 
 async def test_status_reports_how_far_behind_each_projection_is(
