@@ -42,8 +42,6 @@ from events.codec import dumps
 from events.memory import InMemoryEventStore
 from events.postgres import PostgresEventStore
 
-from ..support import WINDOW, eventually
-
 # ---- helpers -------------------------------------------------------------------------------------
 
 
@@ -338,27 +336,15 @@ class EventStoreContract:
         messages = [message("a"), message("b")]
         size = await store.outbox_size()
         result = await store.append(
-            new_stream(),
-            0,
-            probes(1),
-            prev_hash=GENESIS_HASH,
-            outbox=messages,
-            outbox_delay=WINDOW,
+            new_stream(), 0, probes(1), prev_hash=GENESIS_HASH, outbox=messages, outbox_delay=0.3
         )
         mine = set(result.outbox_ids)
-        claimed: dict[int, OutboxMessage] = {}
-
-        async def claimable() -> bool:
-            claimed.update(
-                (i, m) for i, m in (await claim_ids(store, lease=30)).items() if i in mine
-            )
-            return bool(claimed)
-
         try:
             assert len(mine) == 2
             assert not mine & set(await claim_ids(store))  # the writer publishes first
             assert await store.outbox_size() == size + 2
-            await eventually(claimable, 30, "the rows to be claimable after the delay", 0.2)
+            await asyncio.sleep(0.4)
+            claimed = {i: m for i, m in (await claim_ids(store, lease=30)).items() if i in mine}
             assert sorted(claimed) == sorted(mine) == sorted(result.outbox_ids)
             assert [claimed[i] for i in sorted(claimed)] == messages  # in append order, intact
             assert not mine & set(await claim_ids(store, lease=30))  # leased: not again
@@ -373,15 +359,11 @@ class EventStoreContract:
             new_stream(), 0, probes(1), prev_hash=GENESIS_HASH, outbox=[message()], outbox_delay=0
         )
         mine = set(result.outbox_ids)
-
-        async def claimable() -> bool:
-            return mine <= set(await claim_ids(store, lease=30))
-
         try:
-            assert mine <= set(await claim_ids(store, lease=WINDOW))
-            assert not mine & set(await claim_ids(store, lease=WINDOW))
-            await eventually(claimable, 30, "the row to be claimable when its lease ran out", 0.2)
-            assert not mine & set(await claim_ids(store, lease=30))  # leased again
+            assert mine <= set(await claim_ids(store, lease=0.2))
+            assert not mine & set(await claim_ids(store, lease=0.2))
+            await asyncio.sleep(0.3)
+            assert mine <= set(await claim_ids(store, lease=30))
         finally:
             await store.delete_outbox(list(mine))
 
