@@ -629,14 +629,17 @@ async def deployment_quiet(
     """Wait until nothing more can happen to these tasks: no outbox row left to publish and no
     message of the deployment in a queue or in a worker's hands (rabbitmqctl).
 
-    A row is deleted only once its message was confirmed, and a worker acks a message only
-    after publishing what it implied: read in this order (rows, queues, rows again), a quiet
-    deployment cannot be hiding a message in between.
+    A message a worker handles is unacked until its commit; what the commit implies is in the
+    outbox until the broker confirmed it (the publish may still be under way after the ack).
+    So a look at rows, then queues, then rows again finds any message still to come, unless a
+    publish lands in the second between the queue listing and the second look: hence two such
+    looks in a row, both quiet.
     """
     busy: dict[str, tuple[int, int]] = {}
     rows = 0
+    quiet_looks = 0
 
-    async def quiet() -> bool:
+    async def looks_quiet() -> bool:
         nonlocal busy, rows
         rows = await outbox_rows_of(store, task_ids)
         if rows:
@@ -646,6 +649,11 @@ async def deployment_quiet(
             return False
         rows = await outbox_rows_of(store, task_ids)
         return rows == 0
+
+    async def quiet() -> bool:
+        nonlocal quiet_looks
+        quiet_looks = quiet_looks + 1 if await looks_quiet() else 0
+        return quiet_looks == 2
 
     try:
         await eventually(quiet, within, "the deployment to go quiet", interval=0.2)
