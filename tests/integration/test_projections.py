@@ -52,6 +52,7 @@ from projections.postgres import (
 from workers.settings import Settings
 
 from ..support import (
+    PostgresCluster,
     Services,
     WorkerProcess,
     eventually,
@@ -237,10 +238,28 @@ async def test_a_rebuild_finds_damage_to_the_live_tables_and_repairs_it(
     assert await agent_stats(engine) == stats_before
 
 
-async def test_the_active_runner_wakes_on_notify_long_before_its_poll(
-    log_db: tuple[PostgresEventStore, AsyncEngine],
-) -> None:
-    store, engine = log_db
+@pytest.mark.timeout(180)
+async def test_the_active_runner_wakes_on_notify_long_before_its_poll(services: Services) -> None:
+    """On a PostgreSQL cluster of the test's own: the runner reads below the cluster-wide
+    snapshot horizon, so a transaction of anyone else's (another test run on this machine)
+    held open when the notification comes leaves the events to the next poll, and this test
+    would measure that instead."""
+    home = PostgresCluster.serving(
+        services.admin_database_url, "a cluster with no other session holding the horizon"
+    )
+    async with PostgresCluster.scratch(home.version) as cluster:
+        url = cluster.url("waystation_notify")
+        await migrations.upgrade(url)
+        store = PostgresEventStore.from_url(url, pool_size=5)
+        engine = create_engine(url)
+        try:
+            await _wakes_on_notify(store, engine)
+        finally:
+            await engine.dispose()
+            await store.close()
+
+
+async def _wakes_on_notify(store: PostgresEventStore, engine: AsyncEngine) -> None:
     runner = ProjectionRunner(engine, poll_interval=60.0)
     stop = asyncio.Event()
     running = asyncio.create_task(runner.run(stop))
