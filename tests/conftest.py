@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -13,11 +12,13 @@ from events.postgres import PostgresEventStore
 from workers.settings import Settings
 
 from .support import (
+    Capability,
     Services,
     delete_topology,
     fresh_database_url,
     fresh_prefix,
     reachable,
+    require,
     started_services,
 )
 
@@ -35,13 +36,13 @@ def services() -> Iterator[Services]:
             )
             if not reachable(url, port)
         ]
-        if missing:
-            message = (
-                f"{' and '.join(missing)} not reachable; integration tests need the real services"
-            )
-            if os.environ.get("CI"):
-                pytest.fail(message)
-            pytest.skip(message)
+        require(
+            Capability(
+                "the real PostgreSQL and RabbitMQ",
+                f"{' and '.join(missing)} cannot be reached" if missing else None,
+            ),
+            "this test",
+        )
         yield found
 
 

@@ -1,8 +1,12 @@
 """Helpers shared by the tests: real services, isolated per run, and workers to run against them.
 
 Services: ``WAYSTATION_TEST_DATABASE_URL`` / ``WAYSTATION_TEST_AMQP_URL`` when set; else
-testcontainers when a Docker engine answers; else the local services (127.0.0.1). When neither
-can be reached the integration tests skip, except under CI (``CI`` set), where they fail.
+testcontainers when a Docker engine answers; else the local services (127.0.0.1).
+
+Whatever a test needs beyond them (the services themselves, ``rabbitmqctl``, the PostgreSQL
+cluster tools) it asks for with :func:`require`: a missing capability skips the test locally,
+saying exactly what is missing, and fails it under CI (``CI`` set to anything), where a skip
+would pass unnoticed. That rule lives there and nowhere else.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import asyncio
 import contextlib
 import inspect
 import os
+import pwd
 import random
 import re
 import shutil
@@ -25,9 +30,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlparse
+from urllib.parse import quote, unquote, urlparse
 
 import aio_pika
+import pytest
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
@@ -48,14 +54,46 @@ ROOT = Path(__file__).resolve().parent.parent
 LOCAL_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
 LOCAL_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 
+WINDOW = 2.0
+"""Seconds of an outbox delay, a lease or a deadline that a test must still see in force at its
+next statement: that statement certainly comes sooner, on a slow and busy machine too."""
+
+
+@dataclass(frozen=True)
+class Capability:
+    """Something a test needs beyond its fixtures: a tool on this host, a service, a privilege."""
+
+    name: str
+    missing: str | None = None
+    """Exactly what is missing, or None when the capability is here."""
+
+    def __bool__(self) -> bool:
+        # ``if services.rabbitmqctl:`` would silently run a weaker test: ask require() instead
+        raise TypeError(f"use require() to depend on {self.name}, not its truth value")
+
+
+def require(capability: Capability, why: str) -> None:
+    """Go on when ``capability`` is here; otherwise fail under CI and skip elsewhere.
+
+    Under CI (the ``CI`` variable set to anything non-empty) every capability must be present,
+    so a test that cannot run fails rather than skipping out of sight. Locally the skip names
+    what is missing, so a developer knows what to install.
+    """
+    if capability.missing is None:
+        return
+    message = f"{why} needs {capability.name}, but {capability.missing}"
+    if os.environ.get("CI"):
+        pytest.fail(f"{message} (under CI a missing capability fails)", pytrace=False)
+    pytest.skip(message)
+
 
 @dataclass(frozen=True)
 class Services:
     admin_database_url: str
     """A URL whose server lets us create and drop databases."""
     amqp_url: str
-    rabbitmqctl: bool
-    """Whether ``rabbitmqctl`` reaches this broker (local services only)."""
+    rabbitmqctl: Capability
+    """``rabbitmqctl`` on this host, reaching this broker (local services only)."""
 
 
 def docker_engine_available() -> bool:
@@ -84,10 +122,19 @@ def started_services() -> Iterator[Services]:
     database_url = os.environ.get("WAYSTATION_TEST_DATABASE_URL")
     amqp_url = os.environ.get("WAYSTATION_TEST_AMQP_URL")
     if database_url or amqp_url or not docker_engine_available():
+        if amqp_url:
+            missing: str | None = (
+                "the broker is given by WAYSTATION_TEST_AMQP_URL, and rabbitmqctl only reaches "
+                "the broker of this host"
+            )
+        elif shutil.which("rabbitmqctl") is None:
+            missing = "rabbitmqctl is not on PATH (install rabbitmq-server here)"
+        else:
+            missing = None
         yield Services(
             admin_database_url=database_url or LOCAL_DATABASE_URL,
             amqp_url=amqp_url or LOCAL_AMQP_URL,
-            rabbitmqctl=shutil.which("rabbitmqctl") is not None and amqp_url is None,
+            rabbitmqctl=Capability("rabbitmqctl", missing),
         )
         return
     from testcontainers.postgres import PostgresContainer
@@ -101,7 +148,11 @@ def started_services() -> Iterator[Services]:
         yield Services(
             admin_database_url=postgres.get_connection_url(),
             amqp_url=f"amqp://guest:guest@{params.host}:{params.port}/",
-            rabbitmqctl=False,
+            rabbitmqctl=Capability(
+                "rabbitmqctl",
+                "the services run in testcontainers (a Docker engine answered), and rabbitmqctl "
+                "cannot reach the broker inside its container",
+            ),
         )
 
 
@@ -276,6 +327,8 @@ class RecordingClient(Client):
     def __init__(self, amqp_url: str, *, queue_prefix: str = "waystation.") -> None:
         super().__init__(amqp_url, queue_prefix=queue_prefix)
         self.received: list[tuple[str | None, bytes]] = []
+        self.redelivered: Counter[str | None] = Counter()
+        """Per task, result messages the broker delivered to this client again."""
 
     async def __aenter__(self) -> RecordingClient:
         await self.connect()
@@ -283,6 +336,8 @@ class RecordingClient(Client):
 
     async def _on_result(self, message: AbstractIncomingMessage) -> None:
         self.received.append((message.correlation_id, bytes(message.body)))
+        if message.redelivered:
+            self.redelivered[message.correlation_id] += 1
         await super()._on_result(message)
 
     def bodies(self, task_id: str) -> list[bytes]:
@@ -369,6 +424,76 @@ async def publish_reply(
     )
 
 
+_RECORD_OUTBOX_CLAIMS = [
+    "CREATE TABLE IF NOT EXISTS test_outbox_claims (message_id text NOT NULL)",
+    """
+    CREATE OR REPLACE FUNCTION test_record_outbox_claim() RETURNS trigger AS $$
+    BEGIN
+        INSERT INTO test_outbox_claims (message_id) VALUES (NEW.message_id);
+        RETURN NEW;
+    END $$ LANGUAGE plpgsql
+    """,
+    """
+    CREATE OR REPLACE TRIGGER test_record_outbox_claim AFTER UPDATE OF available_at ON outbox
+    FOR EACH ROW EXECUTE FUNCTION test_record_outbox_claim()
+    """,
+]
+_CLAIMS_OF = text(
+    "SELECT message_id, count(*) FROM test_outbox_claims "
+    "WHERE message_id = ANY(CAST(:ids AS text[])) GROUP BY message_id"
+)
+
+
+async def record_outbox_claims(store: PostgresEventStore) -> None:
+    """Keep, in this test database, a row for every outbox row an outbox relay claims.
+
+    The relay publishes only rows it claimed, so a message that comes twice without a claim
+    behind the second was published twice by a worker itself: see :func:`unexplained_repeats`.
+    A test-only trigger on the one statement that updates the outbox (the claim).
+    """
+    async with store.engine.begin() as connection:
+        for statement in _RECORD_OUTBOX_CLAIMS:
+            await connection.execute(text(statement))
+
+
+async def relay_claims(store: PostgresEventStore, message_ids: Iterable[str]) -> Counter[str]:
+    """How often a relay claimed each of these outbox messages (see record_outbox_claims)."""
+    async with store.engine.connect() as connection:
+        rows = await connection.execute(_CLAIMS_OF, {"ids": list(message_ids)})
+        return Counter({message_id: int(count) for message_id, count in rows})
+
+
+async def unexplained_repeats(
+    store: PostgresEventStore, client: RecordingClient, task_ids: Iterable[str]
+) -> list[str]:
+    """Results are delivered at least once, not at random: a task's result message may come
+    again only as often as a relay claimed it to publish again (its writer died, or forgot the
+    row late) or the broker delivered it to the client again. A repeat beyond those is a
+    worker publishing a result twice. Needs :func:`record_outbox_claims` before the run."""
+    received = Counter(task_id for task_id, _ in client.received)
+    ids = list(task_ids)
+    claims = await relay_claims(store, [f"{task_id}:result" for task_id in ids])
+    problems = []
+    for task_id in ids:
+        repeats = received[task_id] - 1
+        explained = claims[f"{task_id}:result"] + client.redelivered[task_id]
+        if repeats > explained:
+            problems.append(
+                f"{task_id}: result repeated {repeats} times, relayed {claims[f'{task_id}:result']}"
+                f", redelivered {client.redelivered[task_id]}"
+            )
+    return problems
+
+
+def result_messages(client: RecordingClient) -> str:
+    """The result messages of a run, for a test's report."""
+    tasks = len({task_id for task_id, _ in client.received})
+    return (
+        f"result messages {len(client.received)} (repeated {len(client.received) - tasks}; "
+        f"redelivered {client.redelivered.total()})"
+    )
+
+
 def tail(path: Path | None, lines: int = 40) -> str:
     """The end of a worker's log file, for assertion messages."""
     if path is None or not path.exists():
@@ -381,23 +506,9 @@ async def close_broker_connections(connection_name: str) -> int:
 
     Local brokers only (``Services.rabbitmqctl``). Returns how many connections were closed.
     """
-
-    async def rabbitmqctl(*args: str) -> str:
-        process = await asyncio.create_subprocess_exec(
-            "rabbitmqctl", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-        )
-        out, err = await process.communicate()
-        if process.returncode != 0:
-            raise RuntimeError(f"rabbitmqctl {args[0]}: {(err or out).decode().strip()}")
-        return out.decode()
-
-    listing = await rabbitmqctl(
-        "list_connections", "-q", "--no-table-headers", "pid", "client_properties"
-    )
-    marker = f'{{"connection_name","{connection_name}"}}'
-    pids = [line.split("\t", 1)[0] for line in listing.splitlines() if marker in line]
+    pids = await _connection_pids(connection_name)
     for pid in pids:
-        await rabbitmqctl("close_connection", pid, "closed by a Waystation test")
+        await run_rabbitmqctl("close_connection", pid, "closed by a Waystation test")
     return len(pids)
 
 
@@ -462,13 +573,18 @@ async def close_all_broker_connections(vhost: str) -> None:
     )
 
 
-async def unacked_messages_of(connection_name: str) -> int:
-    """Messages the broker has delivered to that client and not yet seen settled (rabbitmqctl)."""
-    connections = await run_rabbitmqctl(
+async def _connection_pids(connection_name: str) -> list[str]:
+    """The broker's ids of every connection a client opened under ``connection_name``."""
+    listing = await run_rabbitmqctl(
         "list_connections", "-q", "--no-table-headers", "pid", "client_properties"
     )
     marker = f'{{"connection_name","{connection_name}"}}'
-    pids = {line.split("\t", 1)[0] for line in connections.splitlines() if marker in line}
+    return [line.split("\t", 1)[0] for line in listing.splitlines() if marker in line]
+
+
+async def unacked_messages_of(connection_name: str) -> int:
+    """Messages the broker has delivered to that client and not yet seen settled (rabbitmqctl)."""
+    pids = set(await _connection_pids(connection_name))
     channels = await run_rabbitmqctl(
         "list_channels", "-q", "--no-table-headers", "connection", "messages_unacknowledged"
     )
@@ -478,6 +594,71 @@ async def unacked_messages_of(connection_name: str) -> int:
         if pid in pids:
             total += int(unacked)
     return total
+
+
+def vhost_of(amqp_url: str) -> str:
+    path = urlparse(amqp_url).path
+    return unquote(path[1:]) if len(path) > 1 else "/"
+
+
+async def busy_queues(amqp_url: str, prefix: str) -> dict[str, tuple[int, int]]:
+    """Queues of the deployment under ``prefix`` that hold messages, ready or delivered and
+    not yet settled, dead letters aside: ``{queue: (ready, unacked)}`` (rabbitmqctl)."""
+    listing = await run_rabbitmqctl(
+        "list_queues",
+        "-p",
+        vhost_of(amqp_url),
+        "-q",
+        "--no-table-headers",
+        "name",
+        "messages_ready",
+        "messages_unacknowledged",
+    )
+    dead = Names(prefix).dead_letter_queue
+    busy: dict[str, tuple[int, int]] = {}
+    for line in listing.splitlines():
+        name, ready, unacked = line.split("\t")
+        if name.startswith(prefix) and name != dead and (int(ready) or int(unacked)):
+            busy[name] = (int(ready), int(unacked))
+    return busy
+
+
+async def deployment_quiet(
+    settings: Settings, store: PostgresEventStore, task_ids: Sequence[str], within: float = 60
+) -> None:
+    """Wait until nothing more can happen to these tasks: no outbox row left to publish and no
+    message of the deployment in a queue or in a worker's hands (rabbitmqctl).
+
+    A message a worker handles is unacked until its commit; what the commit implies is in the
+    outbox until the broker confirmed it (the publish may still be under way after the ack).
+    So a look at rows, then queues, then rows again finds any message still to come, unless a
+    publish lands in the second between the queue listing and the second look: hence two such
+    looks in a row, both quiet.
+    """
+    busy: dict[str, tuple[int, int]] = {}
+    rows = 0
+    quiet_looks = 0
+
+    async def looks_quiet() -> bool:
+        nonlocal busy, rows
+        rows = await outbox_rows_of(store, task_ids)
+        if rows:
+            return False
+        busy = await busy_queues(settings.amqp_url, settings.queue_prefix)
+        if busy:
+            return False
+        rows = await outbox_rows_of(store, task_ids)
+        return rows == 0
+
+    async def quiet() -> bool:
+        nonlocal quiet_looks
+        quiet_looks = quiet_looks + 1 if await looks_quiet() else 0
+        return quiet_looks == 2
+
+    try:
+        await eventually(quiet, within, "the deployment to go quiet", interval=0.2)
+    except AssertionError as error:
+        raise AssertionError(f"{error}: {rows} outbox rows, queues {busy}") from None
 
 
 async def _queue_counts(amqp_url: str, queue: str) -> tuple[int, int]:
@@ -536,21 +717,40 @@ class PostgresCluster:
     port: int
 
     @classmethod
-    def serving(cls, database_url: str) -> PostgresCluster | None:
-        """The local cluster serving ``database_url``, or None (remote, or no pg tools here)."""
-        if any(shutil.which(tool) is None for tool in PG_TOOLS):
-            return None
+    def serving(cls, database_url: str, why: str) -> PostgresCluster:
+        """The local cluster serving ``database_url``, which a test ``why`` needs (a scratch
+        cluster of the same version is made with the same tools): see :func:`require`."""
+        found = cls._find(database_url)
+        require(
+            Capability(
+                "a local PostgreSQL cluster managed with postgresql-common",
+                found if isinstance(found, str) else None,
+            ),
+            why,
+        )
+        assert isinstance(found, PostgresCluster)
+        return found
+
+    @classmethod
+    def _find(cls, database_url: str) -> PostgresCluster | str:
+        """The cluster, or exactly what is missing to use one."""
+        absent = [tool for tool in PG_TOOLS if shutil.which(tool) is None]
+        if absent:
+            return f"{', '.join(absent)} not on PATH (install postgresql-common here)"
         url = make_url(database_url)
         if url.host not in (None, "", "localhost", "127.0.0.1", "::1"):
-            return None
+            return f"the test database is on {url.host}, not on this host"
+        if os.geteuid() != 0 and pwd.getpwuid(os.geteuid()).pw_name != "postgres":
+            return "pg_createcluster and pg_ctlcluster need root or the postgres user"
+        port = str(url.port or 5432)
         listing = subprocess.run(
             ["pg_lsclusters", "--no-header"], capture_output=True, text=True, check=False
         ).stdout
         for line in listing.splitlines():
             fields = line.split()
-            if len(fields) >= 3 and fields[2] == str(url.port or 5432):
+            if len(fields) >= 3 and fields[2] == port:
                 return cls(fields[0], fields[1], int(fields[2]))
-        return None
+        return f"pg_lsclusters lists no cluster on port {port} (testcontainers, say)"
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -756,6 +956,23 @@ _PAUSED_OF = text(
 )
 
 
+async def outbox_rows_of(store: PostgresEventStore, task_ids: Sequence[str]) -> int:
+    """Outbox rows of these tasks' streams not yet published and forgotten."""
+    async with store.engine.connect() as connection:
+        return int(await connection.scalar(_OUTBOX_OF, {"ids": list(task_ids)}) or 0)
+
+
+async def published_everything(store: PostgresEventStore, task_ids: Sequence[str]) -> None:
+    """Wait until every message the tasks' events imply is published: an outbox row is deleted
+    only after the broker confirmed its message, so what is not in a queue now never will be
+    (G4 puts every implied message in the outbox)."""
+
+    async def drained() -> bool:
+        return await outbox_rows_of(store, task_ids) == 0
+
+    await eventually(drained, 30, "the tasks' outbox rows to be published")
+
+
 async def paused_count(store: PostgresEventStore, task_ids: Sequence[str]) -> int:
     """How many of these tasks are paused (checkpointed, not completed) right now."""
     async with store.engine.connect() as connection:
@@ -770,7 +987,8 @@ async def settle_run(
     logs: Callable[[], str],
     within: float = 60,
 ) -> None:
-    """Wait for every result, then for the outbox to drain and stray republishes to land."""
+    """Wait for every result, then until the deployment is quiet: stray republishes handled,
+    so that the log read next is final (rabbitmqctl: see :func:`deployment_quiet`)."""
     try:
         await eventually(lambda: len(collector.results) == len(task_ids), within, "every result")
     except AssertionError as error:
@@ -779,14 +997,7 @@ async def settle_run(
             f"{error}; {len(missing)} missing, e.g. {missing[:5]}\n{logs()}"
         ) from None
 
-    async def outbox_drained() -> bool:
-        async with store.engine.connect() as connection:
-            return not await connection.scalar(_OUTBOX_OF, {"ids": list(task_ids)})
-
-    await eventually(outbox_drained, 30, "the outbox rows of every task to be published")
-    # let messages republished at least once arrive and be handled before reading the log
-    await asyncio.sleep(settings.outbox_delay + 1.0)
-    await eventually(outbox_drained, 30, "the outbox rows of every task to be published")
+    await deployment_quiet(settings, store, task_ids)
 
 
 async def fanout_problems(
@@ -797,7 +1008,9 @@ async def fanout_problems(
 ) -> tuple[list[str], Counter[str]]:
     """Everything wrong with the results and streams of one-round example orchestrator tasks.
 
-    Each task must have one distinct, correct result; its stream: K sub-tasks claimed once
+    Each task must have one distinct, correct result, repeated no more often than the relays
+    and the broker explain (:func:`unexplained_repeats`: the run recorded outbox claims); its
+    stream: K sub-tasks claimed once
     each, one pause resumed once, completed once as its last decisive event, nothing else
     (audit-only ``ReplyIgnored`` aside), and a hash chain that verifies. Also returns the
     ``ReplyIgnored`` reasons seen.
@@ -809,7 +1022,7 @@ async def fanout_problems(
         "TaskResumed",
         "TaskCompleted",
     ]
-    problems: list[str] = []
+    problems = await unexplained_repeats(store, collector, inputs)
     ignored: Counter[str] = Counter()
     results = collector.results
     for task_id, spec in inputs.items():
@@ -841,6 +1054,27 @@ async def fanout_problems(
             problems.append(f"{task_id}: stream {types}")
         problems.extend(chain_problems(events))
     return problems, ignored
+
+
+def worker_connection_name(worker: WorkerProcess) -> str:
+    """The name a worker process gives its broker connection."""
+    return f"waystation worker {socket.gethostname()}-{worker.pid}"
+
+
+async def freeze_holding_work(worker: WorkerProcess, attempts: int = 30) -> int:
+    """Freeze ``worker`` (SIGSTOP) at a moment it holds deliveries it has not settled, and
+    return how many (rabbitmqctl). A frozen process settles nothing, so that is exactly the
+    work a kill or a closed connection meets next. 0 if it never held any when looked at;
+    the worker is then left running."""
+    assert worker.process is not None
+    for _ in range(attempts):
+        worker.process.send_signal(signal.SIGSTOP)
+        held = await unacked_messages_of(worker_connection_name(worker))
+        if held:
+            return held
+        worker.process.send_signal(signal.SIGCONT)
+        await asyncio.sleep(0.1)
+    return 0
 
 
 def stats_env(path: Path) -> dict[str, str]:

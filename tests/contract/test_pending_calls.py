@@ -47,6 +47,8 @@ from events import (
 from events.memory import InMemoryEventStore
 from events.postgres import PostgresEventStore
 
+from ..support import WINDOW, eventually
+
 PAST = 1_000_000.0  # 1970-01-12: expired for every backend's clock
 FUTURE = 4_000_000_000.0  # 2096
 
@@ -193,21 +195,32 @@ class PendingCallsContract:
     async def test_a_call_whose_deadline_is_now_or_later_is_not_claimed_until_it_passes(
         self, store: EventStore, tasks: Tasks
     ) -> None:
-        task_id = await tasks.paused([time.time() + 0.6])
+        task_id = await tasks.paused([time.time() + WINDOW])
         assert await claim_all_of_mine(store, tasks) == []
-        await asyncio.sleep(0.7)
-        assert [c.subtask_id for c in await claim_all_of_mine(store, tasks)] == [f"{task_id}:1:0"]
+        claimed: list[ExpiredCall] = []
+
+        async def claimable() -> bool:
+            claimed.extend(await claim_all_of_mine(store, tasks))
+            return bool(claimed)
+
+        await eventually(claimable, 30, "the call to be claimable once its deadline passed", 0.2)
+        assert [c.subtask_id for c in claimed] == [f"{task_id}:1:0"]
 
     async def test_a_claim_leases_its_calls_and_an_expired_lease_frees_them(
         self, store: EventStore, tasks: Tasks
     ) -> None:
         task_id = await tasks.paused([PAST, PAST])
-        first = await claim_all_of_mine(store, tasks, lease=0.5)
+        first = await claim_all_of_mine(store, tasks, lease=WINDOW)
         assert len(first) == 2
         # leased: no other sweeper gets them meanwhile
-        assert await claim_all_of_mine(store, tasks, lease=0.5) == []
-        await asyncio.sleep(0.6)
-        again = await claim_all_of_mine(store, tasks, lease=30)
+        assert await claim_all_of_mine(store, tasks, lease=WINDOW) == []
+        again: list[ExpiredCall] = []
+
+        async def claimable() -> bool:
+            again.extend(await claim_all_of_mine(store, tasks, lease=30))
+            return bool(again)
+
+        await eventually(claimable, 30, "the calls to be claimable when their lease ran out", 0.2)
         assert sorted(c.subtask_id for c in again) == [f"{task_id}:1:0", f"{task_id}:1:1"]
         # still pending: a lease records nothing; only the log does
         assert len(await store.pending_call_deadlines(task_id)) == 2

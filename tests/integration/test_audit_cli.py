@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import orjson
+import pytest
 import pytest_asyncio
 from sqlalchemy import text
 
@@ -97,7 +98,12 @@ async def test_verify_and_history_of_real_tasks(
     ]
     (pause,) = shown["pauses"]
     assert (pause["pause"], pause["paused_version"], pause["resumed_version"]) == (1, 2, 9)
-    assert pause["seconds"] is not None and 0 <= pause["seconds"] < 20
+    # the time between the pause and its resume as the database recorded them
+    log = await store.read_stream(second)
+    paused_at, resumed_at = log[1].recorded_at, log[8].recorded_at
+    assert paused_at is not None and resumed_at is not None
+    assert pause["seconds"] == pytest.approx((resumed_at - paused_at).total_seconds())
+    assert pause["seconds"] > 0
     assert shown["events"][8]["pause_seconds"] == pause["seconds"]
 
     for args in (("history", "no-such-task"), ("verify", "no-such-task")):

@@ -20,7 +20,13 @@ from workers.example import expected_total
 from workers.settings import Settings
 from workers.wire import Names
 
-from ..support import WorkerProcess, eventually, start_example_workers
+from ..support import (
+    WorkerProcess,
+    eventually,
+    start_example_workers,
+    stats_env,
+    worker_counters,
+)
 from .test_cli import run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -40,11 +46,23 @@ def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
             yield sample.name, sample.labels, sample.value
 
 
-def value(text: str, name: str, **labels: str) -> float:
-    """The sample ``name`` with exactly these labels (0 when the series does not exist yet)."""
+def exported(text: str, family: str) -> bool:
+    """Whether the scrape declares the metric ``family`` (it may have no series yet)."""
+    return any(f.name == family for f in text_string_to_metric_families(text))
+
+
+def value(text: str, name: str, *, absent: float | None = None, **labels: str) -> float:
+    """The sample ``name`` with exactly these labels, which must exist; or, with ``absent``
+    given, that value when no such series exists yet (a labelled counter never incremented),
+    as long as its family is exported at all."""
     found = [v for n, ls, v in samples(text) if n == name and ls == labels]
     assert len(found) <= 1, (name, labels, found)
-    return found[0] if found else 0.0
+    if found:
+        return found[0]
+    family = name.removesuffix("_total").removesuffix("_count").removesuffix("_sum")
+    assert absent is not None, f"no series {name}{labels} in the scrape"
+    assert exported(text, family), f"{family} is not exported at all"
+    return absent
 
 
 async def get(url: str) -> tuple[int, str]:
@@ -64,7 +82,11 @@ async def test_metrics_of_a_running_worker_move_as_tasks_flow(
     port = free_port()
     worker = WorkerProcess(
         settings,
-        env={"WAYSTATION_METRICS_PORT": str(port), "WAYSTATION_METRICS_HOST": "127.0.0.1"},
+        env={
+            "WAYSTATION_METRICS_PORT": str(port),
+            "WAYSTATION_METRICS_HOST": "127.0.0.1",
+            **stats_env(tmp_path / "worker.stats.json"),
+        },
         log_path=tmp_path / "worker.log",
     )
     base = f"http://127.0.0.1:{port}"
@@ -94,7 +116,7 @@ async def test_metrics_of_a_running_worker_move_as_tasks_flow(
 
         async def dead_lettered() -> bool:
             _, text = await get(f"{base}/metrics")
-            return value(text, "waystation_dead_letters_total", **dead) == 1
+            return value(text, "waystation_dead_letters_total", absent=0, **dead) == 1
 
         await eventually(dead_lettered, 20, "the bad message to be dead-lettered")
 
@@ -110,9 +132,13 @@ async def test_metrics_of_a_running_worker_move_as_tasks_flow(
     finally:
         code = worker.terminate()
     assert code == 0
+    counters = worker_counters([worker])
+    assert counters, "the worker wrote no counters when it stopped"
 
-    def moved(name: str, **labels: str) -> float:
-        return value(after, name, **labels) - value(before, name, **labels)
+    def moved(name: str, *, absent: float | None = None, **labels: str) -> float:
+        """How far a series moved during the run: it exists at the end (unless ``absent`` says
+        what its absence means); before the first task it may not exist yet."""
+        return value(after, name, absent=absent, **labels) - value(before, name, absent=0, **labels)
 
     ack = {"outcome": "ack"}
     assert moved("waystation_messages_total", agent="orchestrator", kind="task", **ack) == tasks
@@ -121,7 +147,10 @@ async def test_metrics_of_a_running_worker_move_as_tasks_flow(
         tasks * K
     )
     # resumed in place with their last replies (WAYSTATION_RESUME_IN_PLACE): no resume messages
-    assert moved("waystation_messages_total", agent="orchestrator", kind="resume", **ack) == 0
+    assert (
+        moved("waystation_messages_total", absent=0, agent="orchestrator", kind="resume", **ack)
+        == 0
+    )
     assert (
         moved("waystation_messages_total", agent="orchestrator", kind="task", outcome="dead-letter")
         == 1
@@ -145,10 +174,17 @@ async def test_metrics_of_a_running_worker_move_as_tasks_flow(
     assert moved("waystation_resume_latency_seconds_count") == tasks
     assert value(after, "waystation_messages_in_flight") == 0
     # no projection runner runs here: both projections are behind by at least these events
+    # (the database is the whole test run's, so other tests' events count too)
     appended = value(after, "waystation_events_appended_total", event_type="TaskStarted")
-    assert value(after, "waystation_projection_lag_events", projection="paused_tasks") >= appended
-    assert value(after, "waystation_version_conflicts_total") >= 0  # exported, even at zero
-    assert value(after, "waystation_call_timeouts_total", agent="researcher") == 0
+    assert appended == tasks
+    for projection in ("paused_tasks", "agent_stats"):
+        lag = value(after, "waystation_projection_lag_events", projection=projection)
+        assert lag >= appended, projection
+    # exported from the start, even at zero, and it agrees with the worker's own count
+    conflicts = counters.get("version_conflicts", 0)
+    assert value(before, "waystation_version_conflicts_total") == 0
+    assert value(after, "waystation_version_conflicts_total") == conflicts
+    assert value(after, "waystation_call_timeouts_total", absent=0, agent="researcher") == 0
 
 
 @pytest.mark.timeout(60)

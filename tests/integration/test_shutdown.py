@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import random
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -37,10 +36,14 @@ from ..support import (
     log_lines,
     paused_count,
     queue_depth,
+    record_outbox_claims,
+    require,
+    result_messages,
     settle_run,
     start_example_workers,
     stats_env,
     unacked_messages_of,
+    worker_connection_name,
     worker_counters,
     worker_logs,
 )
@@ -48,7 +51,9 @@ from ..support import (
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 K = 3
-GRACE = 10.0
+GRACE = 30.0
+"""Room for a busy worker to drain on a slow machine: the test checks that the grace period
+did not run out (the worker logs it when it does), not how many seconds the drain took."""
 SIGNALS = [pytest.param(signal.SIGTERM, id="SIGTERM"), pytest.param(signal.SIGINT, id="SIGINT")]
 GRACE_EXPIRED = "still in flight after the grace period"
 
@@ -64,10 +69,6 @@ def _worker(settings: Settings, tmp_path: Path, name: str, grace: float) -> Work
     )
 
 
-def _connection_name(worker: WorkerProcess) -> str:
-    return f"waystation worker {socket.gethostname()}-{worker.pid}"
-
-
 async def _signal_and_wait(worker: WorkerProcess, signum: int, within: float) -> tuple[int, float]:
     """Send ``signum``; the exit code and the seconds it took to exit (fails after ``within``)."""
     assert worker.process is not None
@@ -79,7 +80,7 @@ async def _signal_and_wait(worker: WorkerProcess, signum: int, within: float) ->
     return code, took
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(540)
 @pytest.mark.parametrize("signum", SIGNALS)
 @pytest.mark.parametrize("successor", ["peer", "replacement"])
 async def test_a_busy_worker_drains_exits_0_and_no_task_is_lost(
@@ -93,6 +94,7 @@ async def test_a_busy_worker_drains_exits_0_and_no_task_is_lost(
     """Signal a worker holding a full prefetch of work; it drains within the grace period and
     exits 0. Another worker (``peer``, running all along, or ``replacement``, started after the
     first one exited) finishes the run; every task completes exactly once."""
+    require(services.rabbitmqctl, "counting the messages a signalled worker holds")
     tasks = 150
     seed = random.randrange(2**32)
     names = Names(settings.queue_prefix)
@@ -101,6 +103,7 @@ async def test_a_busy_worker_drains_exits_0_and_no_task_is_lost(
     everyone = [victim, other]
     logs = worker_logs(everyone)
     try:
+        await record_outbox_claims(store)
         await start_example_workers(settings, [victim, other] if successor == "peer" else [victim])
         async with DurableResultCollector(
             settings.amqp_url, queue_prefix=settings.queue_prefix
@@ -112,9 +115,7 @@ async def test_a_busy_worker_drains_exits_0_and_no_task_is_lost(
             await eventually(
                 lambda: len(collector.results) >= tasks // 10, 60, "a tenth of the results"
             )
-            unacked = (
-                await unacked_messages_of(_connection_name(victim)) if services.rabbitmqctl else -1
-            )
+            unacked = await unacked_messages_of(worker_connection_name(victim))
             waiting = await queue_depth(settings.amqp_url, names.tasks("researcher"))
             done_at_signal = len(collector.results)
             # counted before the signal: during the drain a peer may well finish the rest
@@ -122,9 +123,8 @@ async def test_a_busy_worker_drains_exits_0_and_no_task_is_lost(
             code, took = await _signal_and_wait(victim, signum, GRACE + 10)
 
             assert waiting > 0, "no researcher call was waiting: the victim's prefetch not full"
-            assert unacked != 0, "the broker saw nothing unacked on the victim's connection"
+            assert unacked > 0, "the broker saw nothing unacked on the victim's connection"
             assert code == 0, f"exit code {code} after {signum!r}\n{logs()}"
-            assert took < GRACE, f"took {took:.1f}s to exit, grace is {GRACE}s\n{logs()}"
             assert log_lines([victim], "stopping"), f"no 'stopping' logged\n{logs()}"
             assert not log_lines([victim], GRACE_EXPIRED), f"grace period expired\n{logs()}"
             assert done_at_signal < tasks and paused > 0, "the run was over at the signal"
@@ -139,8 +139,7 @@ async def test_a_busy_worker_drains_exits_0_and_no_task_is_lost(
             f"seed {seed}: {signum.name} with {done_at_signal}/{tasks} results in, "
             f"{waiting} researcher calls waiting, {unacked} unacked on the victim; it exited "
             f"{code} after {took:.2f}s (settled {settled}); {paused} tasks paused then; "
-            f"result messages {len(collector.received)} (duplicates {collector.duplicates}); "
-            f"ReplyIgnored {dict(ignored)}"
+            f"{result_messages(collector)}; ReplyIgnored {dict(ignored)}"
         )
         print(report)
         assert not problems, f"{report}\n{len(problems)} problems, first: {problems[:10]}\n{logs()}"
@@ -152,19 +151,19 @@ async def test_a_busy_worker_drains_exits_0_and_no_task_is_lost(
             worker.terminate(timeout=GRACE + 5)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("signum", SIGNALS)
-async def test_an_idle_worker_exits_0_promptly(
+async def test_an_idle_worker_exits_0_without_waiting_out_its_grace_period(
     signum: signal.Signals, settings: Settings, tmp_path: Path
 ) -> None:
-    worker = _worker(settings, tmp_path, "idle", GRACE)
+    grace = 120.0  # far beyond what exiting takes, on any machine
+    worker = _worker(settings, tmp_path, "idle", grace)
     names = Names(settings.queue_prefix)
     try:
         await start_example_workers(settings, [worker])
-        code, took = await _signal_and_wait(worker, signum, 15)
+        code, took = await _signal_and_wait(worker, signum, grace / 2)
         print(f"idle worker: {signum.name} -> exit {code} after {took:.2f}s")
         assert code == 0, f"exit code {code}\n{worker_logs([worker])()}"
-        assert took < 5, f"an idle worker took {took:.1f}s to exit"
         assert log_lines([worker], "stopping")
         # it left the consumer group
         for queue in (names.tasks("orchestrator"), names.tasks("researcher")):
@@ -173,27 +172,31 @@ async def test_an_idle_worker_exits_0_promptly(
         worker.terminate(timeout=15)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(600)
 async def test_a_worker_whose_work_outlasts_the_grace_period_exits_0_and_its_work_is_redone(
     settings: Settings, store: PostgresEventStore, tmp_path: Path, services: Services
 ) -> None:
     """The grace period bounds the shutdown: messages still in flight when it ends are not
     acked, go back to their queue when the connection closes, and a replacement completes
     every task exactly once."""
+    require(services.rabbitmqctl, "counting the messages a signalled worker holds")
     grace = 1.0
+    call_seconds = 20.0  # far longer than the grace: an exit before they end did not wait
     names = Names(settings.queue_prefix)
-    tasks = 5  # 15 researcher calls of 5 s: all in flight at once (prefetch 16)
+    tasks = 5  # 15 researcher calls: all in flight at once (prefetch 16)
     seed = random.randrange(2**32)
     victim = _worker(settings, tmp_path, "victim", grace)
     replacement = _worker(settings, tmp_path, "replacement", GRACE)
     everyone = [victim, replacement]
     logs = worker_logs(everyone)
     try:
+        await record_outbox_claims(store)
         await start_example_workers(settings, [victim])
         async with DurableResultCollector(
             settings.amqp_url, queue_prefix=settings.queue_prefix
         ) as collector:
-            inputs = fanout_inputs("grace", tasks, K, (5000.0, 5000.0), seed)
+            work_ms = call_seconds * 1000
+            inputs = fanout_inputs("grace", tasks, K, (work_ms, work_ms), seed)
             task_ids = list(inputs)
             for task_id, spec in inputs.items():
                 await collector.submit("orchestrator", spec, task_id=task_id)
@@ -204,16 +207,16 @@ async def test_a_worker_whose_work_outlasts_the_grace_period_exits_0_and_its_wor
             async def calls_taken() -> bool:
                 return await queue_depth(settings.amqp_url, names.tasks("researcher")) == 0
 
-            await eventually(all_paused, 20, "every task to pause")
-            await eventually(calls_taken, 20, "the victim to take every researcher call")
-            unacked = (
-                await unacked_messages_of(_connection_name(victim)) if services.rabbitmqctl else -1
-            )
-            code, took = await _signal_and_wait(victim, signal.SIGTERM, grace + 10)
-            assert unacked != 0, "the broker saw nothing unacked on the victim's connection"
+            await eventually(all_paused, 60, "every task to pause")
+            await eventually(calls_taken, 60, "the victim to take every researcher call")
+            unacked = await unacked_messages_of(worker_connection_name(victim))
+            code, took = await _signal_and_wait(victim, signal.SIGTERM, 60)
+            assert unacked > 0, "the broker saw nothing unacked on the victim's connection"
             assert not collector.results, "a task completed before the signal: proves nothing"
             assert code == 0, f"exit code {code}\n{logs()}"
-            assert took < grace + 3, f"took {took:.1f}s to exit with a {grace}s grace\n{logs()}"
+            # the calls began before the signal: exiting before they could end means it did not
+            # wait for them (a check of order, not of speed: the margin is many seconds)
+            assert took < call_seconds, f"took {took:.1f}s: it waited for the calls\n{logs()}"
             expired = log_lines([victim], GRACE_EXPIRED)
             assert expired, f"the grace period did not expire\n{logs()}"
 

@@ -36,6 +36,7 @@ from events import (
     ResultRecorded,
     SubtaskClaimed,
     TaskCancelled,
+    TaskCompleted,
     TaskFailed,
     TaskPaused,
     TaskResumed,
@@ -636,6 +637,8 @@ class Model:
     cancelled_pending: tuple[CancelledCall, ...] | None = None
     appended: int = 0
     conflicts: int = 0
+    refused: int = 0
+    """Decisions refused with InvalidTransition, each on a state the model calls invalid."""
 
 
 # weighted: a cancel ends the scenario, so it comes rarely; runs happen only when resumed
@@ -655,12 +658,13 @@ ACTIONS = (
     calls_per_pause=st.lists(st.integers(1, 3), min_size=1, max_size=3),
     data=st.data(),
 )
-def test_any_interleaving_claims_each_call_once_and_ends_at_most_once(
+def test_any_interleaving_claims_each_call_once_and_ends_exactly_once(
     calls_per_pause: list[int], data: st.DataObject
 ) -> None:
     """Replies, redeliveries, timeouts, extensions, cancels, failures and resumed runs in any
     order, each decided either on the current state or on a stale read (a racing writer, which
-    then gets a conflict, re-reads and decides again)."""
+    then gets a conflict, re-reads and decides again). Then every call still outstanding is
+    answered and every resumed run completes, so each scenario ends: exactly once."""
     log = Log()
     model = Model()
     pause_with(log, [Call(f"peer{i}") for i in range(calls_per_pause[0])])
@@ -668,15 +672,23 @@ def test_any_interleaving_claims_each_call_once_and_ends_at_most_once(
     clock = NOW
 
     def act(
-        decide: Callable[[TaskState], list[DomainEvent]], key: Callable[[list[DomainEvent]], str]
+        decide: Callable[[TaskState], list[DomainEvent]],
+        key: Callable[[list[DomainEvent]], str],
+        invalid: Callable[[TaskState], bool] = lambda state: False,
     ) -> list[DomainEvent]:
+        """Decide and append like a worker; ``invalid`` is the model's word on which states
+        this input is invalid for: there, and only there, the decision must be refused."""
         state = data.draw(st.sampled_from(snapshots[-3:]), label="read")
         found: str | None = None
         for _ in range(10):
             try:
                 events = decide(state)
-            except InvalidTransition:
+            except InvalidTransition as refusal:
+                assert invalid(state), f"refused on a {state.status} state: {refusal}"
+                model.refused += 1
                 events = []
+            else:
+                assert not invalid(state), f"decided {events} on a {state.status} state"
             if not events:
                 fresh = log.state()
                 if fresh.version == state.version:
@@ -759,12 +771,16 @@ def test_any_interleaving_claims_each_call_once_and_ends_at_most_once(
             else:
                 outcome = Complete({"pauses": number})
             act(
+                # the run belongs to pause ``number``: on a read where another pause is resumed
+                # it decides nothing; on one that is not running at all (a stale read, paused
+                # still; or finished) recording an outcome is invalid, and must be refused
                 lambda s, outcome=outcome, number=number, now=clock: (
                     decide_outcome(s, outcome, now=now, default_timeout=TIMEOUT)
-                    if s.status == "resumed" and s.pause == number
+                    if s.status != "resumed" or s.pause == number
                     else []
                 ),
                 lambda e, number=number: f"resume:{number}",
+                invalid=lambda s: s.status not in ("new", "resumed"),
             )
         elif action == "fail" and current.status == "resumed" and data.draw(st.booleans()):
             act(
@@ -774,18 +790,51 @@ def test_any_interleaving_claims_each_call_once_and_ends_at_most_once(
         snapshots.append(log.state())
         projection_agrees(log)
 
-    check_stream(log, model)
-    hypothesis_event(f"ended {log.state().status}")
+    ended_by_the_steps = log.state().finished
+    drive_to_the_end(log, model, calls_per_pause)
+    check_stream(log, model, calls_per_pause)
+    hypothesis_event(f"ended {log.state().status} {'in' if ended_by_the_steps else 'after'} steps")
     hypothesis_event(f"conflicts: {min(model.conflicts, 3)}")
+    hypothesis_event(f"refused as invalid: {min(model.refused, 3)}")
 
 
-def check_stream(log: Log, model: Model) -> None:
+def drive_to_the_end(log: Log, model: Model, calls_per_pause: list[int]) -> None:
+    """Answer every outstanding call and complete every resumed run until the task ends."""
+    for _ in range(2 * len(calls_per_pause) + 1):
+        state = log.state()
+        if state.finished:
+            return
+        if state.status == "paused":
+            for call in state.outstanding:
+                value = ["end", call.subtask_id]
+                events = reply(log, call.subtask_id, f"m-end-{call.subtask_id}", value)
+                assert isinstance(events[0], SubtaskClaimed), events
+                model.first.setdefault(call.subtask_id, ("reply", value))
+        else:
+            assert state.status == "resumed", f"a task {state.status} cannot go on"
+            number = state.pause
+            outcome: Pause | Complete = (
+                Pause([Call(f"peer{i}") for i in range(calls_per_pause[number])])
+                if number < len(calls_per_pause)
+                else Complete({"pauses": number})
+            )
+            decided = log.apply(
+                lambda s, outcome=outcome: decide_outcome(
+                    s, outcome, now=NOW, default_timeout=TIMEOUT
+                ),
+                f"resume:{number}",
+            )
+            assert decided, f"the run of pause {number} decided nothing"
+        projection_agrees(log)
+    raise AssertionError(f"the task never ended: {[type(e).__name__ for e in log.events()]}")
+
+
+def check_stream(log: Log, model: Model, calls_per_pause: list[int]) -> None:
     events = log.events()
     decisive = [e for e in events if not type(e).audit_only]
     terminal = [i for i, e in enumerate(decisive) if type(e).terminal]
-    assert len(terminal) <= 1, decisive
-    if terminal:
-        assert terminal[0] == len(decisive) - 1, "an event after the terminal one"
+    assert len(terminal) == 1, decisive
+    assert terminal[0] == len(decisive) - 1, "an event after the terminal one"
     claims = [e.subtask_id for e in events if isinstance(e, SubtaskClaimed)]
     assert len(claims) == len(set(claims)), "a sub-task claimed twice"
     resumed = [e.pause for e in events if isinstance(e, TaskResumed)]
@@ -814,7 +863,19 @@ def check_stream(log: Log, model: Model) -> None:
             call = next(c for c in pause.calls if c.subtask_id == event.subtask_id)
             assert event.deadline_at <= (call.dispatched_at or 0) + MAX_DURATION
     state = log.state()
-    if state.status == "cancelled":
+    assert state.finished and log.pending() == {}, state.status
+    ending = decisive[-1]
+    if state.status == "completed":
+        # every pause the handler asked for, each call claimed and each pause resumed
+        assert [len(p.calls) for p in pauses] == calls_per_pause
+        assert set(claims) == {c.subtask_id for p in pauses for c in p.calls}
+        assert resumed == [p.pause for p in pauses]
+        assert ending == TaskCompleted(result={"pauses": len(calls_per_pause)})
+    elif state.status == "failed":
+        assert ending == TaskFailed(error={"type": "E"})
+        assert isinstance(decisive[-2], TaskResumed), "only a resumed run fails"
+    else:
+        assert state.status == "cancelled"
         [cancelled] = [e for e in events if isinstance(e, TaskCancelled)]
         assert cancelled.pending == model.cancelled_pending
         # a cancel names exactly the calls it left unanswered
