@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -25,7 +24,13 @@ from workers.brokers.memory import InMemoryBroker, InMemoryConnection
 from workers.topology import clear_policy, policy_definition
 from workers.wire import Names
 
-from ..support import Services, close_broker_connections, delete_topology, fresh_prefix
+from ..support import (
+    Services,
+    close_broker_connections,
+    delete_topology,
+    fresh_prefix,
+    require,
+)
 
 AGENT = "agent"
 WITHIN = 30.0
@@ -285,11 +290,7 @@ class BrokerContract:
 class TestAmqpBroker(BrokerContract):
     @pytest_asyncio.fixture
     async def backend(self, services: Services) -> AsyncIterator[Backend]:
-        if not services.rabbitmqctl:
-            message = "rabbitmqctl is needed to drop connections and to set the policy"
-            if os.environ.get("CI"):
-                pytest.fail(message)
-            pytest.skip(message)
+        require(services.rabbitmqctl, "the aio-pika broker contract (drops, the policy)")
         names = Names(fresh_prefix())
         opened: list[AmqpBroker] = []
 
