@@ -76,12 +76,21 @@ def _fold(value: Any) -> Any:
     return value
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def unstorable(value: Any, max_depth: int = MAX_DEPTH) -> str | None:
     """Why ``value`` cannot be stored in the log as JSON (None when it can).
 
     The log refuses what PostgreSQL's ``jsonb`` or the hash chain cannot hold: NaN and infinity,
-    a NUL character in a string or a key, a key that is not a string, an integer beyond 64 bits,
-    anything that is not JSON (a set, an object), and nesting deeper than ``max_depth``.
+    a NUL character or a lone surrogate in a string or a key, a key that is not a string, an
+    integer beyond 64 bits, anything that is not JSON (a set, an object), and nesting deeper
+    than ``max_depth``.
     """
     stack: list[tuple[Any, int]] = [(value, 0)]
     while stack:
@@ -91,6 +100,8 @@ def unstorable(value: Any, max_depth: int = MAX_DEPTH) -> str | None:
         if isinstance(item, str):
             if "\x00" in item:
                 return "a string holds a NUL character (\\u0000)"
+            if not item.isascii() and not _utf8(item):
+                return "a string holds a lone surrogate (not UTF-8)"
         elif isinstance(item, int):
             if not _INT_RANGE[0] <= item <= _INT_RANGE[1]:
                 return "an integer is beyond 64 bits"
@@ -103,8 +114,8 @@ def unstorable(value: Any, max_depth: int = MAX_DEPTH) -> str | None:
             for key, child in item.items():
                 if not isinstance(key, str):
                     return f"a key is a {type(key).__name__}, not a string"
-                if "\x00" in key:
-                    return "a key holds a NUL character (\\u0000)"
+                if "\x00" in key or (not key.isascii() and not _utf8(key)):
+                    return "a key holds a NUL character or a lone surrogate"
                 stack.append((child, depth + 1))
         elif isinstance(item, (list, tuple)):
             if depth >= max_depth:

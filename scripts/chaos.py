@@ -359,8 +359,8 @@ class Chaos:
         self.vhost, self.amqp_url = await self.stack.enter_async_context(
             temporary_vhost(base.amqp_url)
         )
-        home = PostgresCluster.serving(base.database_url)
-        version = home.version if home is not None else _newest_postgresql()
+        home = PostgresCluster.find(base.database_url)
+        version = home.version if isinstance(home, PostgresCluster) else _newest_postgresql()
         self.cluster = await self.stack.enter_async_context(PostgresCluster.scratch(version))
         self.database_url = self.cluster.url(DATABASE)
         await migrations.upgrade(self.database_url)

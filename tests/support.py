@@ -720,7 +720,7 @@ class PostgresCluster:
     def serving(cls, database_url: str, why: str) -> PostgresCluster:
         """The local cluster serving ``database_url``, which a test ``why`` needs (a scratch
         cluster of the same version is made with the same tools): see :func:`require`."""
-        found = cls._find(database_url)
+        found = cls.find(database_url)
         require(
             Capability(
                 "a local PostgreSQL cluster managed with postgresql-common",
@@ -732,7 +732,7 @@ class PostgresCluster:
         return found
 
     @classmethod
-    def _find(cls, database_url: str) -> PostgresCluster | str:
+    def find(cls, database_url: str) -> PostgresCluster | str:
         """The cluster, or exactly what is missing to use one."""
         absent = [tool for tool in PG_TOOLS if shutil.which(tool) is None]
         if absent:

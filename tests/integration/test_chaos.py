@@ -48,7 +48,9 @@ def test_the_quick_chaos_run_loses_nothing_and_records_nothing_twice(
     results = figures["results"]
     assert (results["answered"], results["missing"], results["wrong"]) == (tasks, 0, 0), output
     log = figures["log"]
-    assert log["streams"] == tasks
+    # one stream per task, plus one per researcher's task that was redelivered after a kill
+    # (it records its completion: README, "Failures and dead letters")
+    assert log["streams"] >= tasks and log["unexpected_streams"] == 0, output
     assert (
         log["tasks_not_completed_once"],
         log["pauses_resumed_twice"],

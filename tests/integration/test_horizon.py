@@ -173,9 +173,7 @@ async def test_a_prepared_transaction_holds_back_readers_of_its_own_database_onl
 ) -> None:
     """A prepared (two-phase) transaction has no session: pg_prepared_xacts names its database.
     On a scratch cluster, since the shared server does not allow prepared transactions."""
-    home = PostgresCluster.serving(database_url)
-    if home is None:
-        pytest.skip("a scratch cluster needs the PostgreSQL cluster tools and a local database")
+    home = PostgresCluster.serving(database_url, "a scratch cluster")
     async with PostgresCluster.scratch(home.version) as cluster:
         admin = await asyncpg.connect(**address(cluster.url("postgres")))
         try:
@@ -224,9 +222,7 @@ async def test_a_reader_paging_across_a_power_of_ten_of_transaction_ids_skips_no
     the first page of its commit log), then events are appended one transaction each until their
     ids have crossed it.
     """
-    home = PostgresCluster.serving(database_url)
-    if home is None:
-        pytest.skip("a scratch cluster needs the PostgreSQL cluster tools and a local database")
+    home = PostgresCluster.serving(database_url, "a scratch cluster")
     async with PostgresCluster.scratch(home.version) as cluster:
         await cluster.stop()
         await set_next_transaction_id(cluster, 9_900)

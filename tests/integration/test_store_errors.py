@@ -270,9 +270,7 @@ async def test_a_server_that_cannot_accept_connections_now_is_store_unavailable(
 ) -> None:
     """SQLSTATE 57P03 ("the database system is shutting down"), from a scratch cluster in a smart
     shutdown: it waits for its last session to end and refuses new ones meanwhile."""
-    home = PostgresCluster.serving(database_url)
-    if home is None:
-        pytest.skip("a scratch cluster needs the PostgreSQL cluster tools and a local database")
+    home = PostgresCluster.serving(database_url, "a scratch cluster in a smart shutdown")
     async with PostgresCluster.scratch(home.version) as cluster:
         url = cluster.url("postgres")
         address = _asyncpg_address(url)
