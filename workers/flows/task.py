@@ -91,11 +91,14 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
         # completed without peers: nothing to record (G10); the answer is the only effect
         assert isinstance(outcome, Complete)
         if delivery.reply_to:
-            # ...unless a cancel was recorded meanwhile: then the answer is that (b). Read right
-            # before answering, so only a cancel committed in between can cross the answer
-            recorded = await flows.recorder.load(task_id)
-            if recorded.exists:
-                return await _already_recorded(flows, delivery, recorded)
+            if root_id == task_id:
+                # ...unless a cancel was recorded meanwhile: then the answer is that (b). Read
+                # right before answering, so only a cancel committed in between can cross it.
+                # (A call of another task skips this: its caller, the only one that cancels it,
+                # records a later answer as late and applies nothing.)
+                recorded = await flows.recorder.load(task_id)
+                if recorded.exists:
+                    return await _already_recorded(flows, delivery, recorded)
             envelope = ResultEnvelope("ok", result=outcome.result, task_id=task_id)
             await flows.settler.answer(
                 result_message(
