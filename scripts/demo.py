@@ -40,20 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _bench import (
-    WorkerProcess,
-    broker_counters,
-    delete_topology,
-    free_port,
-    log_problems,
-    paused_now,
-    run_guarded,
-    stop_all,
-    topology_queues,
-    wait_for_consumers,
-    waystation_cli,
-    with_database,
-)
+from _bench import broker_counters, paused_now, run_guarded
 from rich.console import Console, RenderableType
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -68,6 +55,16 @@ import migrations
 from events import GENESIS_HASH, chain_hash
 from events.postgres import PostgresEventStore
 from projections.postgres import projection_status
+from tests.harness.broker import delete_topology, topology_queues, wait_for_consumers
+from tests.harness.database import with_database
+from tests.harness.processes import (
+    WorkerProcess,
+    free_port,
+    log_problems,
+    metrics_env,
+    stop_all,
+    waystation_cli,
+)
 from workers import topology
 from workers.client import Client
 from workers.example import app as example_app
@@ -150,14 +147,13 @@ class Demo:
             "WAYSTATION_QUEUE_PREFIX": PREFIX,
             "WAYSTATION_BROKER_POLICY": self.policy,
             "WAYSTATION_WORKER_ID": f"demo-{name}",
-            "WAYSTATION_METRICS_PORT": str(port),
-            "WAYSTATION_METRICS_HOST": "127.0.0.1",
+            **metrics_env(port),
             "WAYSTATION_LOG_FORMAT": "text",  # readable when the logs are kept
         }
 
     def start_worker(self) -> WorkerProcess:
         name = f"worker{len(self.workers) + 1}"
-        worker = WorkerProcess(name, self._environment(name), self.logs / f"{name}.log").start()
+        worker = WorkerProcess(self._environment(name), self.logs / f"{name}.log").start()
         self.workers.append(worker)
         self.say(
             f"started {name} (pid {worker.pid}), metrics at "
@@ -170,7 +166,7 @@ class Demo:
         environment = self._environment(name)
         environment["WAYSTATION_PROJECTION_POLL_INTERVAL"] = "0.25"
         self.runner = WorkerProcess(
-            name, environment, self.logs / f"{name}.log", command=["projections", "run"]
+            environment, self.logs / f"{name}.log", command=["projections", "run"]
         ).start()
         self.say(
             f"started the projection runner (pid {self.runner.pid}), metrics at "
