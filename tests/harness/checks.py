@@ -204,34 +204,47 @@ def log_row(event: RecordedEvent) -> LogRow:
     )
 
 
-def log_figures(task_ids: Sequence[str], rows: Iterable[LogRow], k: int, rounds: int) -> LogFigures:
-    """Check every task's stream against the example orchestrator's plan: ``rounds`` pauses of
-    ``k`` calls each (sub-task ids ``<task>:<pause>:<i>``), each pause recorded and resumed
-    once, each sub-task claimed once, one TaskCompleted as the last decisive event.
-
-    A researcher's task (a sub-task) records nothing when it completes on its first delivery
-    (G10); a retried or redelivered one (its worker was killed) records its completion, so its
-    stream may exist: then it must be exactly ``TaskStarted``, ``TaskCompleted``."""
-    streams: dict[str, list[LogRow]] = {}
-    for row in rows:
-        streams.setdefault(row[0], []).append(row)
+def unplanned_streams(
+    task_ids: Sequence[str], streams: Mapping[str, Sequence[str]], k: int, rounds: int
+) -> list[str]:
+    """The streams (id -> event types, in order) that are neither one of the tasks' nor that of
+    a sub-task of theirs run again: a researcher's task records nothing when it completes on
+    its first delivery (G10); a retried or redelivered one (its worker was killed) records its
+    completion, so its stream may exist, and then it is exactly ``TaskStarted``,
+    ``TaskCompleted``. Sub-task ids are ``<task>:<pause>:<i>`` (``rounds`` pauses of ``k``)."""
     planned_subtasks = {
         f"{task_id}:{pause}:{i}"
         for task_id in task_ids
         for pause in range(1, rounds + 1)
         for i in range(k)
     }
+    return sorted(
+        stream_id
+        for stream_id in set(streams) - set(task_ids)
+        if stream_id not in planned_subtasks
+        or list(streams[stream_id]) != ["TaskStarted", "TaskCompleted"]
+    )
+
+
+def log_figures(task_ids: Sequence[str], rows: Iterable[LogRow], k: int, rounds: int) -> LogFigures:
+    """Check every task's stream against the example orchestrator's plan: ``rounds`` pauses of
+    ``k`` calls each (sub-task ids ``<task>:<pause>:<i>``), each pause recorded and resumed
+    once, each sub-task claimed once, one TaskCompleted as the last decisive event; and no
+    other stream but those of sub-tasks run again (:func:`unplanned_streams`)."""
+    streams: dict[str, list[LogRow]] = {}
+    for row in rows:
+        streams.setdefault(row[0], []).append(row)
     figures = LogFigures(
         streams=len(streams),
         not_completed_once=[],
         pauses_resumed_twice=[],
         pauses_recorded_twice=[],
         claims_not_once=[],
-        unexpected_streams=sorted(
-            stream_id
-            for stream_id in set(streams) - set(task_ids)
-            if stream_id not in planned_subtasks
-            or [row[1] for row in streams[stream_id]] != ["TaskStarted", "TaskCompleted"]
+        unexpected_streams=unplanned_streams(
+            task_ids,
+            {stream_id: [row[1] for row in events] for stream_id, events in streams.items()},
+            k,
+            rounds,
         ),
     )
     for task_id in task_ids:
