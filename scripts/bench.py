@@ -55,25 +55,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _bench import (
-    ROOT,
-    WorkerProcess,
     broker_counters,
     cpu_per_parent_ms,
     cpu_snapshot,
     database_counters,
-    delete_topology,
-    log_problems,
     percentile,
-    queue_depths,
     rabbitmq_pid,
     run_guarded,
     server_versions,
-    stop_all,
     system_busy_seconds,
-    topology_queues,
     wait_for_backends_gone,
-    wait_for_consumers,
-    with_database,
 )
 from _bench.append import append_benchmark
 from _bench.drive import BenchFailure, One, Progress, measure
@@ -82,6 +73,9 @@ from _bench.rebuild import rebuild_benchmark
 from _bench.report import fmt, memory_parents, print_report, summarise
 
 import migrations
+from tests.harness.broker import delete_topology, queue_depths, topology_queues, wait_for_consumers
+from tests.harness.database import with_database
+from tests.harness.processes import ROOT, WorkerProcess, log_problems, stop_all
 from workers.client import Client
 from workers.example import app as example_app
 from workers.example import expected_total
@@ -313,11 +307,7 @@ class Bench:
             }
             if self.args.concurrency:
                 env["WAYSTATION_CONCURRENCY"] = str(self.args.concurrency)
-            worker = WorkerProcess(
-                f"{session.label}-worker{index}",
-                env,
-                self.logs / f"{session.label}-worker{index}.log",
-            ).start()
+            worker = WorkerProcess(env, self.logs / f"{session.label}-worker{index}.log").start()
             session.workers.append(worker)
             session.stats_files.append(stats)
             self.all_workers.append(worker)

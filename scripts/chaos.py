@@ -52,27 +52,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiohttp
-from _bench import (
-    ROOT,
-    WorkerProcess,
-    free_port,
-    log_problems,
-    paused_now,
-    run_guarded,
-    stop_all,
-    waystation_cli,
-)
-from _bench.chaos import (
-    ChaosCollector,
-    Health,
-    LogFigures,
-    PlannedFault,
-    ResultFigures,
-    log_figures,
-    plan_faults,
-    probe_health,
-    result_figures,
-)
+from _bench import paused_now, run_guarded
+from _bench.chaos import ChaosCollector, Health, PlannedFault, plan_faults, probe_health
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
@@ -80,14 +61,24 @@ from sqlalchemy.pool import NullPool
 import migrations
 from events.codec import loads
 from projections.postgres import projection_status
-from tests.support import (
-    PG_TOOLS,
-    PostgresCluster,
+from tests.harness.broker import (
     apply_queue_policy,
     broker_connections,
+    busy_queues,
     close_all_broker_connections,
-    run_rabbitmqctl,
     temporary_vhost,
+)
+from tests.harness.checks import LogFigures, ResultFigures, log_figures, result_figures
+from tests.harness.database import PG_TOOLS, PostgresCluster
+from tests.harness.processes import (
+    ROOT,
+    WorkerProcess,
+    free_port,
+    log_problems,
+    metrics_env,
+    stats_counters,
+    stop_all,
+    waystation_cli,
 )
 from workers.deadletters import browse
 from workers.example import expected_total
@@ -237,8 +228,7 @@ class Chaos:
             "WAYSTATION_BROKER_POLICY": "none",
             "WAYSTATION_DELIVERY_LIMIT": str(self.args.delivery_limit),
             "WAYSTATION_WORKER_ID": f"chaos-{name}",
-            "WAYSTATION_METRICS_PORT": str(port),
-            "WAYSTATION_METRICS_HOST": "127.0.0.1",
+            **metrics_env(port),
             "WAYSTATION_LOG_FORMAT": "text",
             "WAYSTATION_STATS_FILE": str(self.logs / f"{name}.stats.json"),
         }
@@ -248,7 +238,7 @@ class Chaos:
             self.generation.append(0)
         self.generation[slot] += 1
         name = f"w{slot + 1}.{self.generation[slot]}"
-        worker = WorkerProcess(name, self._environment(name), self.logs / f"{name}.log").start()
+        worker = WorkerProcess(self._environment(name), self.logs / f"{name}.log").start()
         if slot == len(self.slots):
             self.slots.append(worker)
         else:
@@ -308,10 +298,7 @@ class Chaos:
         environment = self._environment("projections")
         environment["WAYSTATION_PROJECTION_POLL_INTERVAL"] = "0.25"
         self.runner = WorkerProcess(
-            "projections",
-            environment,
-            self.logs / "projections.log",
-            command=["projections", "run"],
+            environment, self.logs / "projections.log", command=["projections", "run"]
         ).start()
         unhealthy = await self.wait_healthy()
         if unhealthy:
@@ -585,13 +572,8 @@ class Chaos:
                 )
         except Exception:
             waiting["outbox"] = -1  # unreadable: not settled
-        listing = await run_rabbitmqctl(
-            "list_queues", "-p", self.vhost, "-q", "--no-table-headers", "name", "messages"
-        )
-        for line in listing.splitlines():
-            name, _, count = line.partition("\t")
-            if name and name != self.names.dead_letter_queue and count.strip().isdigit():
-                waiting[name] = int(count)
+        for name, (ready, unacked) in (await busy_queues(self.amqp_url, PREFIX)).items():
+            waiting[name] = ready + unacked
         return {what: n for what, n in waiting.items() if n}
 
     async def check(self, inputs: dict[str, dict[str, Any]]) -> None:
@@ -811,11 +793,7 @@ def _commit() -> str | None:
 
 def _stats_counters(logs: Path) -> dict[str, int]:
     """The counters the workers that stopped cleanly wrote (killed ones write nothing)."""
-    total: Counter[str] = Counter()
-    for path in sorted(logs.glob("w*.stats.json")):
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            total.update(loads(path.read_bytes())["counters"])
-    return dict(sorted(total.items()))
+    return dict(sorted(stats_counters(sorted(logs.glob("w*.stats.json"))).items()))
 
 
 def print_figures(figures: dict[str, Any], failures: list[str], elapsed: float) -> None:

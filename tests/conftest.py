@@ -11,16 +11,9 @@ import migrations
 from events.postgres import PostgresEventStore
 from workers.settings import Settings
 
-from .support import (
-    Capability,
-    Services,
-    delete_topology,
-    fresh_database_url,
-    fresh_prefix,
-    reachable,
-    require,
-    started_services,
-)
+from .harness.broker import delete_topology, fresh_prefix
+from .harness.database import fresh_database_url
+from .support import Capability, Services, reachable, require, started_services
 
 EXAMPLE_AGENTS = ("orchestrator", "researcher")
 

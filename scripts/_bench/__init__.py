@@ -1,9 +1,12 @@
-"""Helpers shared by scripts/bench.py and scripts/demo.py (not part of the library).
+"""What only the benchmark measures, for scripts/bench.py, scripts/demo.py and scripts/chaos.py
+(not part of the library).
 
-Worker subprocesses of an app, the broker names of one prefix (waiting for consumers, deleting
-queues), CPU time and resident memory from /proc, database activity counters, and percentiles.
-Standard library and the project's own dependencies only (the Celery side of the bench, which
-needs the ``bench`` extra, is in :mod:`_bench.celery_job`).
+CPU time and resident memory from /proc, database and broker activity counters (the cost per
+parent), what is paused right now, the servers' versions, percentiles, and :func:`run_guarded`
+(a run whose cleanup happens whatever stops it). Worker processes, queues, databases and
+checks are the harness the scripts share with the tests: :mod:`tests.harness`. Standard
+library and the project's own dependencies only (the Celery side of the bench, which needs the
+``bench`` extra, is in :mod:`_bench.celery_job`).
 """
 
 from __future__ import annotations
@@ -15,273 +18,39 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import aio_pika
 from sqlalchemy import text
-from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from workers.wire import Names
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.harness.database import with_database
 
 __all__ = [
-    "ROOT",
-    "WorkerProcess",
     "broker_counters",
     "cpu_per_parent_ms",
     "cpu_snapshot",
     "database_counters",
-    "delete_topology",
-    "free_port",
-    "log_problems",
     "paused_now",
     "percentile",
     "process_cpu_seconds",
     "process_tree",
-    "queue_depths",
     "rabbitmq_pid",
     "rss_mb",
     "run_guarded",
     "server_versions",
     "system_busy_seconds",
     "wait_for_backends_gone",
-    "wait_for_consumers",
-    "waystation_cli",
-    "with_database",
 ]
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def with_database(url: str, name: str) -> str:
-    """``url`` naming database ``name`` instead (password kept)."""
-    return make_url(url).set(database=name).render_as_string(hide_password=False)
-
-
-# ---- worker subprocesses ---------------------------------------------------------------------
-
-
-class WorkerProcess:
-    """``python -m workers.cli worker --app APP`` with WAYSTATION_* settings, its log to a file;
-    or another ``waystation`` command given as ``command`` (``["projections", "run"]``, say);
-    or ``python -m MODULE COMMAND...`` of another ``module`` (``celery``) with ``cwd``."""
-
-    def __init__(
-        self,
-        name: str,
-        env: dict[str, str],
-        log_path: Path,
-        app: str = "workers.example:app",
-        *,
-        command: Sequence[str] | None = None,
-        module: str = "workers.cli",
-        cwd: Path = ROOT,
-    ) -> None:
-        self.name = name
-        self.env = env
-        self.log_path = log_path
-        self.app = app
-        self.command = list(command) if command is not None else ["worker", "--app", app]
-        self.module = module
-        self.cwd = cwd
-        self.process: subprocess.Popen[bytes] | None = None
-        self._log: Any = None
-
-    def start(self) -> WorkerProcess:
-        environment = dict(os.environ)
-        environment.update(self.env)
-        environment["PYTHONPATH"] = os.pathsep.join(
-            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-        )
-        self._log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", self.module, *self.command],
-            env=environment,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=self.cwd,
-        )
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would."""
-        if self.alive():
-            assert self.process is not None
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(10)
-        self._close_log()
-
-    def terminate(self) -> None:
-        if self.alive():
-            assert self.process is not None
-            self.process.send_signal(signal.SIGTERM)
-
-    def wait(self, timeout: float) -> int | None:
-        """Wait for the exit (SIGKILL after ``timeout``); the exit code."""
-        if self.process is None:
-            return None
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait(10)
-        finally:
-            self._close_log()
-
-    def stop(self, timeout: float = 30) -> int | None:
-        self.terminate()
-        return self.wait(timeout)
-
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-
-def stop_all(workers: Iterable[WorkerProcess], timeout: float = 30) -> dict[str, int | None]:
-    """SIGTERM every worker at once, then wait for each; their exit codes by name."""
-    workers = list(workers)
-    for worker in workers:
-        worker.terminate()
-    deadline = time.monotonic() + timeout
-    return {w.name: w.wait(max(0.1, deadline - time.monotonic())) for w in workers}
-
-
-def free_port(host: str = "127.0.0.1", exclude: Iterable[int] = ()) -> int:
-    """A TCP port nothing listens on right now (the system picks it: a bind to port 0), not one
-    of ``exclude``. Free when asked, not reserved: whoever binds it next gets it."""
-    taken = set(exclude)
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((host, 0))
-            port = int(probe.getsockname()[1])
-        if port not in taken:
-            return port
-
-
-async def waystation_cli(
-    arguments: Sequence[str], env: Mapping[str, str], timeout: float = 60
-) -> tuple[int | None, str]:
-    """Run the ``waystation`` command installed beside this Python (else ``python -m
-    workers.cli``) with ``env`` (WAYSTATION_* settings) added: (exit code, stdout and stderr)."""
-    installed = Path(sys.executable).with_name("waystation")
-    command = [str(installed)] if installed.exists() else [sys.executable, "-m", "workers.cli"]
-    environment = {
-        **os.environ,
-        **env,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-    }
-    process = await asyncio.create_subprocess_exec(
-        *command,
-        *arguments,
-        env=environment,
-        cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    try:
-        output, _ = await asyncio.wait_for(process.communicate(), timeout)
-    except (TimeoutError, asyncio.CancelledError):
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-        await process.wait()
-        raise
-    return process.returncode, output.decode(errors="replace")
-
-
-# ---- broker --------------------------------------------------------------------------------
-
-
-async def _consumer_count(connection: aio_pika.abc.AbstractConnection, queue: str) -> int:
-    channel = await connection.channel()
-    try:
-        declared = await channel.declare_queue(queue, passive=True)
-        return int(declared.declaration_result.consumer_count or 0)
-    except aio_pika.exceptions.ChannelClosed:
-        return 0
-    finally:
-        with contextlib.suppress(Exception):
-            await channel.close()
-
-
-async def wait_for_consumers(
-    amqp_url: str,
-    queues: Sequence[str],
-    count: int,
-    within: float = 60,
-    alive: Any = None,
-) -> None:
-    """Wait until every queue has ``count`` consumers (the workers finished starting)."""
-    connection = await aio_pika.connect(amqp_url)
-    try:
-        deadline = time.monotonic() + within
-        while True:
-            counts = [await _consumer_count(connection, queue) for queue in queues]
-            if min(counts) >= count:
-                return
-            if alive is not None and not alive():
-                raise RuntimeError("a worker exited while starting (see its log)")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"consumers on {list(queues)}: {counts}, wanted {count} each")
-            await asyncio.sleep(0.1)
-    finally:
-        await connection.close()
-
-
-async def queue_depths(amqp_url: str, queues: Sequence[str]) -> dict[str, int]:
-    """Messages ready in each queue that exists."""
-    depths: dict[str, int] = {}
-    connection = await aio_pika.connect(amqp_url)
-    try:
-        for queue in queues:
-            channel = await connection.channel()
-            try:
-                declared = await channel.declare_queue(queue, passive=True)
-                depths[queue] = int(declared.declaration_result.message_count or 0)
-            except aio_pika.exceptions.ChannelClosed:
-                pass
-            finally:
-                with contextlib.suppress(Exception):
-                    await channel.close()
-    finally:
-        await connection.close()
-    return depths
-
-
-def topology_queues(names: Names, agents: Iterable[str]) -> list[str]:
-    queues = []
-    for agent in agents:
-        queues += [names.tasks(agent), names.replies(agent)]
-    return [*queues, names.dead_letter_queue]
-
-
-async def delete_topology(amqp_url: str, prefix: str, agents: Iterable[str]) -> None:
-    """Delete every queue and the exchange that workers declare under ``prefix``."""
-    names = Names(prefix)
-    connection = await aio_pika.connect(amqp_url)
-    try:
-        channel = await connection.channel()
-        for queue in topology_queues(names, agents):
-            await channel.queue_delete(queue)
-        await channel.exchange_delete(names.dead_letter_exchange)
-    finally:
-        await connection.close()
+# ---- the broker's activity ------------------------------------------------------------------
 
 
 _COUNTERS_EXPR = (
@@ -311,7 +80,7 @@ def broker_counters() -> dict[str, int] | None:
     return {"routed": routed, "delivered": quorum + classic, "redelivered": redelivered}
 
 
-# ---- database ------------------------------------------------------------------------------
+# ---- the database's activity ----------------------------------------------------------------
 
 
 async def database_counters(admin_url: str, database: str) -> dict[str, int]:
@@ -491,7 +260,7 @@ def system_busy_seconds() -> float:
     return busy / CLOCK_TICKS
 
 
-# ---- statistics and logs -------------------------------------------------------------------
+# ---- statistics ----------------------------------------------------------------------------------
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -503,26 +272,6 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     low = int(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-_PROBLEM = re.compile(
-    rb' (WARNING|ERROR|CRITICAL) |"level": ?"(WARNING|ERROR|CRITICAL)"'
-    rb"|Traceback \(most recent call last\)"
-)
-"""A problem line in a text log, or in a JSON-lines log (``WAYSTATION_LOG_FORMAT=json``)."""
-
-
-def log_problems(paths: Iterable[Path], keep: int = 5) -> tuple[int, list[str]]:
-    """How many WARNING/ERROR lines and tracebacks the logs hold, and the first few."""
-    count, first = 0, list[str]()
-    for path in paths:
-        with contextlib.suppress(OSError), open(path, "rb") as log:
-            for line in log:
-                if _PROBLEM.search(line):
-                    count += 1
-                    if len(first) < keep:
-                        first.append(f"{path.name}: {line.decode(errors='replace').rstrip()[:300]}")
-    return count, first
 
 
 # ---- running with a guaranteed cleanup ---------------------------------------------------------

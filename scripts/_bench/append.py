@@ -25,8 +25,9 @@ import migrations
 from events.codec import GENESIS_HASH
 from events.model import EventMetadata, NewEvent, ResultRecorded, SubtaskClaimed
 from events.postgres import PostgresEventStore
+from tests.harness.database import with_database
 
-from . import percentile, with_database
+from . import percentile
 
 __all__ = ["append_benchmark", "reply_events"]
 

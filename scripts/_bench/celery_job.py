@@ -46,20 +46,10 @@ from typing import Any
 
 import aio_pika
 
-from . import (
-    ROOT,
-    WorkerProcess,
-    broker_counters,
-    cpu_per_parent_ms,
-    cpu_snapshot,
-    free_port,
-    log_problems,
-    process_tree,
-    queue_depths,
-    rabbitmq_pid,
-    stop_all,
-    wait_for_consumers,
-)
+from tests.harness.broker import queue_depths, wait_for_consumers
+from tests.harness.processes import ROOT, WorkerProcess, free_port, log_problems, stop_all
+
+from . import broker_counters, cpu_per_parent_ms, cpu_snapshot, process_tree, rabbitmq_pid
 from .drive import BenchFailure, measure
 
 __all__ = ["POOLS", "CelerySide", "RedisServer", "redis_server_binary"]
@@ -321,7 +311,6 @@ class CelerySide:
             stats.unlink(missing_ok=True)
             self.stats_files[f"{label}-worker{index}"] = stats
             process = WorkerProcess(
-                f"{label}-worker{index}",
                 {**env, "BENCH_CELERY_STATS_FILE": str(stats)},
                 self.logs / f"{label}-worker{index}.log",
                 command=command,

@@ -23,8 +23,7 @@ import migrations
 from events.postgres import PostgresEventStore
 from events.simulation import simulate
 from projections.postgres import PROJECTIONS, catch_up, create_engine, rebuild
-
-from . import with_database
+from tests.harness.database import with_database
 
 EVENTS_PER_TASK = 8.5  # about what simulate() writes per task; only sizes the first round
 

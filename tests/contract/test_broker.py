@@ -24,13 +24,8 @@ from workers.brokers.memory import InMemoryBroker, InMemoryConnection
 from workers.topology import clear_policy, policy_definition
 from workers.wire import Names
 
-from ..support import (
-    Services,
-    close_broker_connections,
-    delete_topology,
-    fresh_prefix,
-    require,
-)
+from ..harness.broker import close_broker_connections, delete_topology, fresh_prefix
+from ..support import Services, require
 
 AGENT = "agent"
 WITHIN = 30.0

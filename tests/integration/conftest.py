@@ -8,7 +8,8 @@ import aio_pika
 import pytest_asyncio
 from aio_pika.abc import AbstractChannel
 
-from ..support import Services, delete_topology
+from ..harness.broker import delete_topology
+from ..support import Services
 
 
 @pytest_asyncio.fixture

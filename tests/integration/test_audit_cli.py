@@ -20,7 +20,8 @@ from workers.client import Client
 from workers.example import app, expected_total
 from workers.settings import Settings
 
-from ..support import Services, fresh_database_url, running_worker
+from ..harness.database import fresh_database_url
+from ..support import Services, running_worker
 from .test_cli import run_cli
 
 

@@ -30,12 +30,12 @@ from workers.runtime import Worker
 from workers.settings import Settings
 from workers.wire import Names
 
+from ..harness.broker import declare_quorum_queue
+from ..harness.checks import chain_problems
+from ..harness.clients import RecordingClient
 from ..support import (
-    RecordingClient,
-    chain_problems,
     counter,
     dead_letters,
-    declare_quorum_queue,
     eventually,
     publish_raw,
     publish_reply,

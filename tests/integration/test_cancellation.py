@@ -21,11 +21,11 @@ from workers.agent import App, TaskContext
 from workers.settings import Settings
 from workers.wire import Names
 
+from ..harness.broker import declare_quorum_queue
+from ..harness.checks import chain_problems
+from ..harness.clients import RecordingClient
 from ..support import (
-    RecordingClient,
-    chain_problems,
     counter,
-    declare_quorum_queue,
     eventually,
     publish_reply,
     published_everything,

@@ -2,7 +2,7 @@
 are SIGKILLed, every broker connection is closed once and PostgreSQL restarts once; the script
 must exit 0 and its JSON must show nothing lost, wrong or recorded twice, and every fault landing
 on work in flight. The full run (5,000 tasks, 24 faults) is too long for the suite; its latest
-figures are in the README ("Chaos")."""
+figures are in the README ("Chaos"). Also its result collector, on a result delivered again."""
 
 from __future__ import annotations
 
@@ -12,19 +12,30 @@ import subprocess
 import sys
 from pathlib import Path
 
+import aio_pika
 import pytest
+from aio_pika.abc import AbstractIncomingMessage
 
-from ..support import ROOT, PostgresCluster, Services, require
+from events.codec import dumps
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+from ..harness.broker import declare_quorum_queue
+from ..harness.processes import ROOT
+from ..support import Services, eventually, require, serving_cluster
+
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from _bench.chaos import ChaosCollector
+
+pytestmark = pytest.mark.integration
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_quick_chaos_run_loses_nothing_and_records_nothing_twice(
     services: Services, tmp_path: Path
 ) -> None:
     require(services.rabbitmqctl, "the chaos run (connections closed in a vhost of its own)")
-    PostgresCluster.serving(services.admin_database_url, "the chaos run (a scratch cluster)")
+    serving_cluster(services.admin_database_url, "the chaos run (a scratch cluster)")
     figures_path = tmp_path / "chaos.json"
     run = subprocess.run(
         [sys.executable, "scripts/chaos.py", "--quick", "--json", str(figures_path)],
@@ -63,3 +74,36 @@ def test_the_quick_chaos_run_loses_nothing_and_records_nothing_twice(
     assert figures["dead_letters"]["count"] == 0, output
     assert figures["faults_injected"] == {"kill": 2, "close": 1, "pg-restart": 1}, output
     assert all(fault["tasks_in_flight"] > 0 for fault in figures["faults"]), output
+
+
+async def test_the_chaos_collector_keeps_a_result_the_broker_delivers_again(
+    services: Services, queue_prefix: str
+) -> None:
+    """A result delivered to the collector and not acked (its connection was closed) comes
+    again, flagged redelivered: the collector records it, flag and all, like any other."""
+    body = dumps({"status": "ok", "result": {"n": 1}})
+    collector = ChaosCollector(services.amqp_url, queue_prefix=queue_prefix)
+    connection = await aio_pika.connect(services.amqp_url)
+    try:
+        channel = await connection.channel(publisher_confirms=True)
+        queue = await declare_quorum_queue(channel, collector.queue_name)
+        await channel.default_exchange.publish(
+            aio_pika.Message(body, correlation_id="task-1"), routing_key=collector.queue_name
+        )
+        first: list[AbstractIncomingMessage] = []
+
+        async def delivered_once() -> bool:
+            message = await queue.get(no_ack=False, fail=False)
+            if message is not None:
+                first.append(message)
+            return bool(first)
+
+        await eventually(delivered_once, 20, "the result's first delivery")
+        await channel.close()  # unacked: the broker puts it back, to be delivered again
+
+        await collector.connect()
+        await eventually(lambda: collector.answered() == 1, 20, "the redelivered result")
+        assert collector.messages() == [("task-1", body, True)]
+    finally:
+        await collector.close()
+        await connection.close()

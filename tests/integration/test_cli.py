@@ -17,7 +17,10 @@ import migrations
 from workers.example import expected_total
 from workers.settings import Settings
 
-from ..support import ROOT, Services, WorkerProcess, fresh_database_url, wait_for_consumers
+from ..harness.broker import wait_for_consumers
+from ..harness.database import fresh_database_url
+from ..harness.processes import ROOT, WorkerProcess
+from ..support import Services
 
 WAYSTATION = str(Path(sys.executable).parent / "waystation")
 
@@ -101,9 +104,9 @@ async def test_db_upgrade_creates_a_missing_database_with_the_log(
 
 @pytest.mark.slow
 async def test_submit_waits_for_and_prints_the_result(settings: Settings, tmp_path: Path) -> None:
-    worker = WorkerProcess(settings, log_path=tmp_path / "worker.log").start()
+    worker = WorkerProcess.with_settings(settings, tmp_path / "worker.log").start()
     try:
-        await wait_for_consumers(settings.amqp_url, settings.queue_prefix + "orchestrator", 1)
+        await wait_for_consumers(settings.amqp_url, [settings.queue_prefix + "orchestrator"], 1)
         done = await asyncio.to_thread(
             run_cli, settings, "submit", "orchestrator", '{"n": 3, "k": 4}'
         )
@@ -124,9 +127,9 @@ async def test_submit_waits_for_and_prints_the_result(settings: Settings, tmp_pa
         )
         assert queued.returncode == 0, queued.stderr
         assert orjson.loads(queued.stdout) == {"task_id": "cli-no-wait"}
-        assert worker.terminate() == 0, "a worker stopped with SIGTERM exits 0"
+        assert worker.stop() == 0, "a worker stopped with SIGTERM exits 0"
     finally:
-        worker.terminate()
+        worker.stop()
 
 
 def test_submit_rejects_input_that_is_not_json(settings: Settings) -> None:
@@ -141,7 +144,8 @@ async def test_dead_letters_can_be_listed_then_replayed_after_the_cause_is_fixed
     """A task over the size limit is dead-lettered; once the limit is raised, a replay runs it."""
     from workers.example import app
 
-    from ..support import RecordingClient, eventually, running_worker
+    from ..harness.clients import RecordingClient
+    from ..support import eventually, running_worker
 
     strict = settings.model_copy(update={"max_message_bytes": 64})
     big = {"n": 2, "k": 3, "padding": "x" * 200}

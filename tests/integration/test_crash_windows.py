@@ -20,19 +20,16 @@ from workers.example import expected_total
 from workers.settings import Settings
 from workers.wire import Names
 
-from ..support import (
-    RecordingClient,
-    Services,
-    WorkerProcess,
+from ..harness.broker import wait_for_consumers
+from ..harness.checks import (
     chain_problems,
-    deployment_quiet,
     record_outbox_claims,
-    require,
     result_messages,
-    tail,
     unexplained_repeats,
-    wait_for_consumers,
 )
+from ..harness.clients import RecordingClient
+from ..harness.processes import WorkerProcess, tail
+from ..support import Services, deployment_quiet, require
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -83,12 +80,12 @@ async def test_a_worker_killed_in_a_crash_window_loses_nothing_and_repeats_nothi
     settings = settings.model_copy(update={"resume_in_place": in_place})
     names = Names(settings.queue_prefix)
     logs = {"A": tmp_path / "worker-a.log", "B": tmp_path / "worker-b.log"}
-    a = WorkerProcess(
+    a = WorkerProcess.with_settings(
         settings,
+        logs["A"],
         env={"WAYSTATION_FAULT_POINT": point, "WAYSTATION_FAULT_AFTER": str(after)},
-        log_path=logs["A"],
     )
-    b = WorkerProcess(settings, log_path=logs["B"])
+    b = WorkerProcess.with_settings(settings, logs["B"])
 
     def context() -> str:
         return "\n".join(f"--- worker {n} log:\n{tail(p)}" for n, p in logs.items())
@@ -98,7 +95,7 @@ async def test_a_worker_killed_in_a_crash_window_loses_nothing_and_repeats_nothi
         async with RecordingClient(settings.amqp_url, queue_prefix=settings.queue_prefix) as client:
             await record_outbox_claims(store)
             a.start()
-            await wait_for_consumers(settings.amqp_url, names.tasks("orchestrator"), 1)
+            await wait_for_consumers(settings.amqp_url, [names.tasks("orchestrator")], 1)
             task_id = await client.submit("orchestrator", {"n": n, "k": K})
             code = await a.wait_exit(60)
             assert code == -signal.SIGKILL, f"worker A did not die at {point}: {code}\n{context()}"
@@ -132,5 +129,5 @@ async def test_a_worker_killed_in_a_crash_window_loses_nothing_and_repeats_nothi
             assert b.alive(), f"worker B died\n{context()}"
     finally:
         a.kill()
-        a.terminate()
-        b.terminate()
+        a.stop()
+        b.stop()

@@ -20,17 +20,9 @@ from workers.example import app as example_app
 from workers.settings import Settings
 
 from ..conftest import EXAMPLE_AGENTS
-from ..support import (
-    Services,
-    count_rows,
-    declare_quorum_queue,
-    delete_topology,
-    eventually,
-    fresh_database_url,
-    fresh_prefix,
-    running_worker,
-    take,
-)
+from ..harness.broker import declare_quorum_queue, delete_topology, fresh_prefix
+from ..harness.database import fresh_database_url
+from ..support import Services, count_rows, eventually, running_worker, take
 
 pytestmark = pytest.mark.integration
 

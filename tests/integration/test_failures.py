@@ -24,17 +24,10 @@ from workers.agent import App, TaskContext
 from workers.settings import Settings
 from workers.wire import Names
 
-from ..support import (
-    RecordingClient,
-    chain_problems,
-    counter,
-    dead_letters,
-    declare_quorum_queue,
-    publish_reply,
-    running_worker,
-    stream_types,
-    take,
-)
+from ..harness.broker import declare_quorum_queue
+from ..harness.checks import chain_problems
+from ..harness.clients import RecordingClient
+from ..support import counter, dead_letters, publish_reply, running_worker, stream_types, take
 
 pytestmark = pytest.mark.integration
 

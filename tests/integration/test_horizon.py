@@ -30,9 +30,11 @@ from events.codec import loads
 from events.postgres import PostgresEventStore
 from workers.settings import Settings
 
-from ..support import PostgresCluster, Services, WorkerProcess, eventually, fresh_database_url
+from ..harness.database import PostgresCluster, fresh_database_url
+from ..harness.processes import WorkerProcess, free_port, metrics_env
+from ..support import Services, eventually, serving_cluster
 from .test_cli import run_cli
-from .test_observability import free_port, get
+from .test_observability import get
 
 pytestmark = pytest.mark.integration
 
@@ -173,7 +175,7 @@ async def test_a_prepared_transaction_holds_back_readers_of_its_own_database_onl
 ) -> None:
     """A prepared (two-phase) transaction has no session: pg_prepared_xacts names its database.
     On a scratch cluster, since the shared server does not allow prepared transactions."""
-    home = PostgresCluster.serving(database_url, "a scratch cluster")
+    home = serving_cluster(database_url, "a scratch cluster")
     async with PostgresCluster.scratch(home.version) as cluster:
         admin = await asyncpg.connect(**address(cluster.url("postgres")))
         try:
@@ -222,7 +224,7 @@ async def test_a_reader_paging_across_a_power_of_ten_of_transaction_ids_skips_no
     the first page of its commit log), then events are appended one transaction each until their
     ids have crossed it.
     """
-    home = PostgresCluster.serving(database_url, "a scratch cluster")
+    home = serving_cluster(database_url, "a scratch cluster")
     async with PostgresCluster.scratch(home.version) as cluster:
         await cluster.stop()
         await set_next_transaction_id(cluster, 9_900)
@@ -283,10 +285,10 @@ async def test_projections_status_and_healthz_name_what_holds_the_horizon(
 ) -> None:
     ports = free_port(), free_port()
     processes = [
-        WorkerProcess(
+        WorkerProcess.with_settings(
             settings,
-            env={"WAYSTATION_METRICS_PORT": str(port), "WAYSTATION_METRICS_HOST": "127.0.0.1"},
-            log_path=tmp_path / f"{name}.log",
+            tmp_path / f"{name}.log",
+            env=metrics_env(port),
             command=command,
         ).start()
         for port, name, command in (
@@ -334,5 +336,5 @@ async def test_projections_status_and_healthz_name_what_holds_the_horizon(
             "the ended transaction is still named"
         )
     finally:
-        codes = [p.terminate() for p in processes]
+        codes = [p.stop() for p in processes]
     assert codes == [0, 0]

@@ -25,24 +25,20 @@ from events.postgres import PostgresEventStore
 from workers.settings import Settings
 from workers.wire import Names
 
+from ..harness.broker import close_broker_connections, wait_for_consumers
+from ..harness.checks import fanout_problems, record_outbox_claims, result_messages
+from ..harness.clients import RecordingClient
+from ..harness.processes import WorkerProcess, worker_logs
 from ..support import (
-    RecordingClient,
     Services,
-    WorkerProcess,
-    close_broker_connections,
     eventually,
     fanout_inputs,
-    fanout_problems,
     freeze_holding_work,
     paused_count,
-    record_outbox_claims,
     require,
-    result_messages,
     settle_run,
     start_example_workers,
-    wait_for_consumers,
     worker_connection_name,
-    worker_logs,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -57,8 +53,10 @@ async def test_300_tasks_survive_a_worker_killed_while_it_holds_work(
 ) -> None:
     require(services.rabbitmqctl, "showing that the kill met work in flight")
     seed = random.randrange(2**32)
-    workers = [WorkerProcess(settings, log_path=tmp_path / f"worker-{i}.log") for i in range(3)]
-    replacement = WorkerProcess(settings, log_path=tmp_path / "worker-replacement.log")
+    workers = [
+        WorkerProcess.with_settings(settings, tmp_path / f"worker-{i}.log") for i in range(3)
+    ]
+    replacement = WorkerProcess.with_settings(settings, tmp_path / "worker-replacement.log")
     everyone = [*workers, replacement]
     logs = worker_logs(everyone)
     started = time.monotonic()
@@ -102,7 +100,7 @@ async def test_300_tasks_survive_a_worker_killed_while_it_holds_work(
     finally:
         workers[1].kill()  # frozen, if the test failed before its kill
         for worker in everyone:
-            worker.terminate(timeout=15)
+            worker.stop(timeout=15)
 
 
 @pytest.mark.timeout(480)
@@ -112,7 +110,9 @@ async def test_a_worker_whose_broker_connection_is_closed_mid_run_reconnects_and
     require(services.rabbitmqctl, "closing a worker's broker connection")
     tasks = 150
     seed = random.randrange(2**32)
-    workers = [WorkerProcess(settings, log_path=tmp_path / f"worker-{i}.log") for i in range(2)]
+    workers = [
+        WorkerProcess.with_settings(settings, tmp_path / f"worker-{i}.log") for i in range(2)
+    ]
     logs = worker_logs(workers)
     try:
         await record_outbox_claims(store)
@@ -144,7 +144,7 @@ async def test_a_worker_whose_broker_connection_is_closed_mid_run_reconnects_and
             await settle_run(settings, store, client, task_ids, logs, within=120)
             # the victim came back: it consumes again
             await wait_for_consumers(
-                settings.amqp_url, Names(settings.queue_prefix).tasks("orchestrator"), 2
+                settings.amqp_url, [Names(settings.queue_prefix).tasks("orchestrator")], 2
             )
 
         problems, ignored = await fanout_problems(store, client, inputs, K)
@@ -160,4 +160,4 @@ async def test_a_worker_whose_broker_connection_is_closed_mid_run_reconnects_and
         for worker in workers:
             if worker.process is not None and worker.alive():
                 worker.process.send_signal(signal.SIGCONT)
-            worker.terminate(timeout=15)
+            worker.stop(timeout=15)

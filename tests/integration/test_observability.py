@@ -20,24 +20,13 @@ from workers.example import expected_total
 from workers.settings import Settings
 from workers.wire import Names
 
-from ..support import (
-    WorkerProcess,
-    eventually,
-    start_example_workers,
-    stats_env,
-    worker_counters,
-)
+from ..harness.processes import WorkerProcess, free_port, metrics_env, stats_env, worker_counters
+from ..support import eventually, start_example_workers
 from .test_cli import run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 K = 3
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
@@ -80,14 +69,13 @@ async def test_metrics_of_a_running_worker_move_as_tasks_flow(
     settings: Settings, store: PostgresEventStore, tmp_path: Path
 ) -> None:
     port = free_port()
-    worker = WorkerProcess(
+    worker = WorkerProcess.with_settings(
         settings,
+        tmp_path / "worker.log",
         env={
-            "WAYSTATION_METRICS_PORT": str(port),
-            "WAYSTATION_METRICS_HOST": "127.0.0.1",
+            **metrics_env(port),
             **stats_env(tmp_path / "worker.stats.json"),
         },
-        log_path=tmp_path / "worker.log",
     )
     base = f"http://127.0.0.1:{port}"
     tasks = 20
@@ -130,7 +118,7 @@ async def test_metrics_of_a_running_worker_move_as_tasks_flow(
         await eventually(backlog_read, 20, "the outbox backlog gauge to match the table")
         _, after = await get(f"{base}/metrics")
     finally:
-        code = worker.terminate()
+        code = worker.stop()
     assert code == 0
     counters = worker_counters([worker])
     assert counters, "the worker wrote no counters when it stopped"
@@ -195,14 +183,14 @@ def test_a_worker_whose_metrics_port_is_taken_says_so_and_exits_non_zero(
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        worker = WorkerProcess(
+        worker = WorkerProcess.with_settings(
             settings,
-            env={"WAYSTATION_METRICS_PORT": str(port), "WAYSTATION_METRICS_HOST": "127.0.0.1"},
-            log_path=tmp_path / "worker.log",
+            tmp_path / "worker.log",
+            env=metrics_env(port),
         ).start()
         assert worker.process is not None
         worker.process.wait(45)
-        code = worker.terminate()
+        code = worker.stop()
     log = (tmp_path / "worker.log").read_text()
     assert code == 1
     assert "Traceback" not in log, "an operator's mistake, told in one line"
@@ -215,7 +203,7 @@ async def test_a_trace_id_travels_through_every_peer_call_into_events_logs_and_h
     settings: Settings, store: PostgresEventStore, tmp_path: Path
 ) -> None:
     log_path = tmp_path / "worker.log"
-    worker = WorkerProcess(settings, env={"WAYSTATION_LOG_LEVEL": "DEBUG"}, log_path=log_path)
+    worker = WorkerProcess.with_settings(settings, log_path, env={"WAYSTATION_LOG_LEVEL": "DEBUG"})
     trace = "trace-7f3a-observability"
     w3c_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
     try:
@@ -243,7 +231,7 @@ async def test_a_trace_id_travels_through_every_peer_call_into_events_logs_and_h
 
         await eventually(w3c_done, 30, "the W3C-traced task to complete")
     finally:
-        assert worker.terminate() == 0
+        assert worker.stop() == 0
 
     for task_id, expected in [(given, trace), (w3c, w3c_trace), (plain, plain)]:
         events = await store.read_stream(task_id)

@@ -43,31 +43,28 @@ from workers.settings import Settings
 from workers.topology import clear_policy
 from workers.wire import Names
 
-from ..support import (
-    DurableResultCollector,
-    PostgresCluster,
-    Services,
-    WorkerProcess,
+from ..harness.broker import (
     apply_queue_policy,
     broker_connections,
     close_all_broker_connections,
-    eventually,
-    fanout_inputs,
-    fanout_problems,
-    log_lines,
-    paused_count,
     queue_depth,
-    record_outbox_claims,
-    require,
-    result_messages,
-    settle_run,
-    start_example_workers,
-    stats_env,
     temporary_vhost,
     wait_for_consumers,
+)
+from ..harness.checks import fanout_problems, record_outbox_claims, result_messages
+from ..harness.clients import DurableResultCollector
+from ..harness.database import PostgresCluster
+from ..harness.processes import WorkerProcess, log_lines, stats_env, worker_counters, worker_logs
+from ..support import (
+    Services,
+    eventually,
+    fanout_inputs,
+    paused_count,
+    require,
+    serving_cluster,
+    settle_run,
+    start_example_workers,
     worker_connection_name,
-    worker_counters,
-    worker_logs,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -85,10 +82,10 @@ SLOW_MS = 10_000.0
 
 def _workers(settings: Settings, tmp_path: Path) -> list[WorkerProcess]:
     return [
-        WorkerProcess(
+        WorkerProcess.with_settings(
             settings,
+            tmp_path / f"worker-{i}.log",
             env=stats_env(tmp_path / f"worker-{i}.stats.json"),
-            log_path=tmp_path / f"worker-{i}.log",
         )
         for i in range(WORKERS)
     ]
@@ -156,8 +153,12 @@ async def test_200_tasks_survive_every_broker_connection_being_closed(
                 await settle_run(settings, store, collector, task_ids, logs)
                 all_results_at = time.monotonic() - started
                 # every worker came back and consumes again
-                for queue in (names.tasks("orchestrator"), names.replies("orchestrator")):
-                    await wait_for_consumers(settings.amqp_url, queue, WORKERS, timeout=20)
+                await wait_for_consumers(
+                    settings.amqp_url,
+                    [names.tasks("orchestrator"), names.replies("orchestrator")],
+                    WORKERS,
+                    within=20,
+                )
                 await eventually(lambda: collector.reconnects >= 1, 20, "the client to reconnect")
 
             problems, ignored = await fanout_problems(store, collector, inputs, K)
@@ -165,7 +166,7 @@ async def test_200_tasks_survive_every_broker_connection_being_closed(
             unroutable = log_lines(workers, "unroutable")
             failed_acks = log_lines(workers, "could not ack")
             assert all(w.alive() for w in workers), f"a worker died\n{logs()}"
-            codes = [w.terminate(timeout=15) for w in workers]
+            codes = [w.stop(timeout=15) for w in workers]
             report = (
                 f"seed {seed}: closed {len(connected)} connections at {closed_at:.1f}s with "
                 f"{done_at_close}/{TASKS} results in and {paused} tasks paused; all results at "
@@ -182,14 +183,14 @@ async def test_200_tasks_survive_every_broker_connection_being_closed(
             assert codes == [0] * WORKERS, f"exit codes {codes} after the outage\n{logs()}"
         finally:
             for worker in workers:
-                worker.terminate(timeout=15)
+                worker.stop(timeout=15)
 
 
 @pytest.mark.timeout(480)
 async def test_200_tasks_survive_a_postgresql_restart(
     settings: Settings, services: Services, tmp_path: Path
 ) -> None:
-    home = PostgresCluster.serving(settings.database_url, "restarting PostgreSQL")
+    home = serving_cluster(settings.database_url, "restarting PostgreSQL")
     # the delivery limit as in production: a message requeued in a loop is dead-lettered, and
     # the dead-letter queue must stay empty (without the policy that check proves nothing)
     require(services.rabbitmqctl, "the delivery-limit policy of the PostgreSQL restart")
@@ -242,7 +243,7 @@ async def test_200_tasks_survive_a_postgresql_restart(
             requeued = log_lines(workers, "failed; requeueing")
             retried_by = sum(1 for w in workers if log_lines([w], "event log unavailable"))
             assert all(w.alive() for w in workers), f"a worker died\n{logs()}"
-            codes = [w.terminate(timeout=15) for w in workers]
+            codes = [w.stop(timeout=15) for w in workers]
             report = "; ".join(
                 [
                     f"seed {seed}: stopped PostgreSQL at {stopped_at:.1f}s with "
@@ -271,7 +272,7 @@ async def test_200_tasks_survive_a_postgresql_restart(
             assert codes == [0] * WORKERS, f"exit codes {codes} after the outage\n{logs()}"
         finally:
             for worker in workers:
-                worker.terminate(timeout=15)
+                worker.stop(timeout=15)
             await store.close()
             with contextlib.suppress(RuntimeError):  # no worker got to set it
                 await clear_policy(names)
@@ -286,7 +287,7 @@ async def test_a_worker_signalled_while_postgresql_is_down_exits_0_and_nothing_i
     PostgreSQL is back a replacement completes every task exactly once. Two tasks' calls take
     10 s, so the outage certainly meets work however fast the machine runs the rest: their
     replies come while the database is down."""
-    home = PostgresCluster.serving(settings.database_url, "stopping PostgreSQL")
+    home = serving_cluster(settings.database_url, "stopping PostgreSQL")
     require(services.rabbitmqctl, "waiting for the deployment to go quiet")
     grace = 30.0
     tasks = 100
@@ -298,8 +299,8 @@ async def test_a_worker_signalled_while_postgresql_is_down_exits_0_and_nothing_i
         await migrations.upgrade(settings.database_url)
         store = PostgresEventStore.from_url(settings.database_url, pool_size=5)
         env = {"WAYSTATION_SHUTDOWN_GRACE": str(grace)}
-        victim = WorkerProcess(settings, env=env, log_path=tmp_path / "victim.log")
-        replacement = WorkerProcess(settings, env=env, log_path=tmp_path / "replacement.log")
+        victim = WorkerProcess.with_settings(settings, tmp_path / "victim.log", env=env)
+        replacement = WorkerProcess.with_settings(settings, tmp_path / "replacement.log", env=env)
         logs = worker_logs([victim, replacement])
         try:
             await record_outbox_claims(store)
@@ -346,5 +347,5 @@ async def test_a_worker_signalled_while_postgresql_is_down_exits_0_and_nothing_i
             )
         finally:
             for worker in (victim, replacement):
-                worker.terminate(timeout=15)
+                worker.stop(timeout=15)
             await store.close()

@@ -51,15 +51,9 @@ from projections.postgres import (
 )
 from workers.settings import Settings
 
-from ..support import (
-    PostgresCluster,
-    Services,
-    WorkerProcess,
-    eventually,
-    fresh_database_url,
-    log_lines,
-    worker_logs,
-)
+from ..harness.database import PostgresCluster, fresh_database_url
+from ..harness.processes import WorkerProcess, log_lines, worker_logs
+from ..support import Services, eventually, serving_cluster
 from .test_cli import run_cli
 
 pytestmark = pytest.mark.integration
@@ -244,7 +238,7 @@ async def test_the_active_runner_wakes_on_notify_long_before_its_poll(services: 
     snapshot horizon, so a transaction of anyone else's (another test run on this machine)
     held open when the notification comes leaves the events to the next poll, and this test
     would measure that instead."""
-    home = PostgresCluster.serving(
+    home = serving_cluster(
         services.admin_database_url, "a cluster with no other session holding the horizon"
     )
     async with PostgresCluster.scratch(home.version) as cluster:
@@ -309,15 +303,15 @@ async def test_status_reports_how_far_behind_each_projection_is(
 
 
 def _runner_process(settings: Settings, tmp_path: Path, name: str) -> WorkerProcess:
-    return WorkerProcess(
+    return WorkerProcess.with_settings(
         settings,
+        tmp_path / f"{name}.log",
         command=["projections", "run"],
         env={
             "WAYSTATION_PROJECTION_STANDBY_INTERVAL": "0.5",
             "WAYSTATION_PROJECTION_POLL_INTERVAL": "0.2",
             "WAYSTATION_PROJECTION_BATCH_SIZE": "50",
         },
-        log_path=tmp_path / f"{name}.log",
     )
 
 
@@ -356,7 +350,7 @@ async def test_killing_the_active_runner_hands_its_projection_to_another_instanc
         await _until_caught_up(engine)
     finally:
         for runner in runners:
-            runner.terminate(timeout=15)
+            runner.stop(timeout=15)
 
     streams = await _streams(store, [t.task_id for t in tasks])
     assert await _paused_rows(engine) == _expected_paused(streams), f"seed {seed}\n{logs()}"

@@ -15,7 +15,8 @@ from events.postgres import PostgresEventStore
 from workers.metrics import Metrics
 from workers.settings import Settings
 
-from ..support import RecordingClient, eventually, publish_reply, running_worker, take
+from ..harness.clients import RecordingClient
+from ..support import eventually, publish_reply, running_worker, take
 from .test_cancellation import cancel_app, ghost
 
 pytestmark = pytest.mark.integration

@@ -25,27 +25,19 @@ from events.postgres import PostgresEventStore
 from workers.settings import Settings
 from workers.wire import Names
 
+from ..harness.broker import consumer_count, queue_depth, unacked_messages_of
+from ..harness.checks import fanout_problems, record_outbox_claims, result_messages
+from ..harness.clients import DurableResultCollector
+from ..harness.processes import WorkerProcess, log_lines, stats_env, worker_counters, worker_logs
 from ..support import (
-    DurableResultCollector,
     Services,
-    WorkerProcess,
-    consumer_count,
     eventually,
     fanout_inputs,
-    fanout_problems,
-    log_lines,
     paused_count,
-    queue_depth,
-    record_outbox_claims,
     require,
-    result_messages,
     settle_run,
     start_example_workers,
-    stats_env,
-    unacked_messages_of,
     worker_connection_name,
-    worker_counters,
-    worker_logs,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -59,13 +51,13 @@ GRACE_EXPIRED = "still in flight after the grace period"
 
 
 def _worker(settings: Settings, tmp_path: Path, name: str, grace: float) -> WorkerProcess:
-    return WorkerProcess(
+    return WorkerProcess.with_settings(
         settings,
+        tmp_path / f"{name}.log",
         env={
             "WAYSTATION_SHUTDOWN_GRACE": str(grace),
             **stats_env(tmp_path / f"{name}.stats.json"),
         },
-        log_path=tmp_path / f"{name}.log",
     )
 
 
@@ -145,10 +137,10 @@ async def test_a_busy_worker_drains_exits_0_and_no_task_is_lost(
         assert not problems, f"{report}\n{len(problems)} problems, first: {problems[:10]}\n{logs()}"
         assert settled.get("settled_ack", 0) > 0, f"the victim settled nothing\n{logs()}"
         assert other.alive(), f"the {successor} died\n{logs()}"
-        assert other.terminate(timeout=GRACE + 5) == 0, f"the {successor} did not exit 0"
+        assert other.stop(timeout=GRACE + 5) == 0, f"the {successor} did not exit 0"
     finally:
         for worker in everyone:
-            worker.terminate(timeout=GRACE + 5)
+            worker.stop(timeout=GRACE + 5)
 
 
 @pytest.mark.timeout(180)
@@ -169,7 +161,7 @@ async def test_an_idle_worker_exits_0_without_waiting_out_its_grace_period(
         for queue in (names.tasks("orchestrator"), names.tasks("researcher")):
             assert await consumer_count(settings.amqp_url, queue) == 0, f"{queue} still consumed"
     finally:
-        worker.terminate(timeout=15)
+        worker.stop(timeout=15)
 
 
 @pytest.mark.timeout(600)
@@ -231,4 +223,4 @@ async def test_a_worker_whose_work_outlasts_the_grace_period_exits_0_and_its_wor
         assert not problems, f"{len(problems)} problems, first: {problems[:10]}\n{logs()}"
     finally:
         for worker in everyone:
-            worker.terminate(timeout=GRACE + 5)
+            worker.stop(timeout=GRACE + 5)

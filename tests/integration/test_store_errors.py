@@ -27,7 +27,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from events import GENESIS_HASH, IntegrityError, NewEvent, StoreUnavailable
 from events.postgres import PostgresEventStore, _translate
 
-from ..support import PostgresCluster, eventually
+from ..harness.database import PostgresCluster
+from ..support import eventually, serving_cluster
 
 pytestmark = pytest.mark.integration
 
@@ -270,7 +271,7 @@ async def test_a_server_that_cannot_accept_connections_now_is_store_unavailable(
 ) -> None:
     """SQLSTATE 57P03 ("the database system is shutting down"), from a scratch cluster in a smart
     shutdown: it waits for its last session to end and refuses new ones meanwhile."""
-    home = PostgresCluster.serving(database_url, "a scratch cluster in a smart shutdown")
+    home = serving_cluster(database_url, "a scratch cluster in a smart shutdown")
     async with PostgresCluster.scratch(home.version) as cluster:
         url = cluster.url("postgres")
         address = _asyncpg_address(url)

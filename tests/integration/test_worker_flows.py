@@ -26,20 +26,22 @@ from workers.example import expected_total
 from workers.settings import Settings
 from workers.wire import HEADER_ROOT, Names
 
-from ..support import (
-    RecordingClient,
+from ..harness.broker import declare_quorum_queue
+from ..harness.checks import (
     chain_problems,
+    record_outbox_claims,
+    result_messages,
+    unexplained_repeats,
+)
+from ..harness.clients import RecordingClient
+from ..support import (
     count_rows,
-    declare_quorum_queue,
     eventually,
     publish_reply,
     published_everything,
-    record_outbox_claims,
-    result_messages,
     running_worker,
     stream_types,
     take,
-    unexplained_repeats,
 )
 
 pytestmark = pytest.mark.integration

@@ -1,5 +1,6 @@
-"""scripts/chaos's pure parts: the fault plan, and the checks of results and of the log, each
-shown to catch what it is there to catch (no services)."""
+"""scripts/chaos's pure parts: the fault plan, and the checks of results and of the log it
+shares with the tests (tests/harness/checks.py), each shown to catch what it is there to catch
+(no services)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from pathlib import Path
 
 from events.codec import dumps
 
+from ..harness.checks import LogRow, log_figures, result_figures
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from _bench.chaos import LogRow, log_figures, plan_faults, result_figures  # noqa: E402
+from _bench.chaos import plan_faults  # noqa: E402
 
 K, ROUNDS = 3, 2
 

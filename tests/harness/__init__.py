@@ -1,0 +1,15 @@
+"""The harness that the tests and the scripts (bench, demo, chaos) share.
+
+Real services, real processes, no pytest: a script imports these modules as well as a test.
+
+* :mod:`.processes`: worker subprocesses (:class:`~.processes.WorkerProcess`), the
+  ``waystation`` command, free ports, process logs and the counters a stopping worker writes.
+* :mod:`.broker`: the queues of a deployment (consumers, depths, deletion) and ``rabbitmqctl``
+  (connections, unsettled messages, vhosts, the delivery-limit policy).
+* :mod:`.database`: database URLs and scratch PostgreSQL clusters.
+* :mod:`.clients`: publishers that keep every result message they receive.
+* :mod:`.checks`: what must hold of a run's results and of its event log.
+
+What only tests need (``require``, fixtures support, test-played peers) is in ``tests/support``;
+what only the benchmark measures (CPU, memory, database counters) in ``scripts/_bench``.
+"""
