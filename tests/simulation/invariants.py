@@ -22,7 +22,7 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from datetime import UTC, datetime
 from typing import Any
 
@@ -215,13 +215,14 @@ def _worker_problems(observed: Observed, streams: dict[str, list[RecordedEvent]]
     # resumed in place and an append found the stream moved on: another writer's conflicting
     # events, or the same decision recorded by a racing reply (a duplicate append)
     counters = observed.counters
+    copies = Counter(m.properties.get("message_id") for m in observed.published)
+    republished = sum(count - 1 for count in copies.values())
     again = (
         1
         + returns
-        + observed.duplicated
+        + republished  # by relays (counted by the ledger: a relay that crashed counts nothing)
         + counters.get("version_conflicts", 0)
         + counters.get("duplicate_appends", 0)
-        + counters.get("outbox_relayed", 0)
     )
     for (task_id, pause), runs in observed.runs.items():
         succeeded = runs - observed.failed_runs.get((task_id, pause), 0)
