@@ -184,6 +184,10 @@ class InMemoryEventStore(EventStore):
     async def read_stream(self, stream_id: str) -> list[RecordedEvent]:
         return [_copy(e) for e in self._streams.get(stream_id, ())]
 
+    async def last_event(self, stream_id: str) -> RecordedEvent | None:
+        stream = self._streams.get(stream_id)
+        return _copy(stream[-1]) if stream else None
+
     async def read_all(
         self, after: Position = Position(), limit: int = 1000
     ) -> list[RecordedEvent]:

@@ -142,6 +142,11 @@ _READ_STREAM = text(
     f"SELECT {_COLUMNS} FROM events WHERE stream_id = :stream ORDER BY stream_version"
 )
 
+_LAST_EVENT = text(
+    f"""SELECT {_COLUMNS} FROM events WHERE stream_id = :stream
+        ORDER BY stream_version DESC LIMIT 1"""
+)
+
 _READ_ALL = text(
     f"""
     SELECT {_COLUMNS} FROM events
@@ -419,6 +424,14 @@ class PostgresEventStore(EventStore):
         except Exception as error:
             raise _translate(error) from error
         return [_row_to_event(row) for row in rows]
+
+    async def last_event(self, stream_id: str) -> RecordedEvent | None:
+        try:
+            async with self.engine.connect() as connection:
+                row = (await connection.execute(_LAST_EVENT, {"stream": stream_id})).one_or_none()
+        except Exception as error:
+            raise _translate(error) from error
+        return _row_to_event(row) if row is not None else None
 
     async def read_all(
         self, after: Position = Position(), limit: int = 1000

@@ -12,7 +12,8 @@ Contract (the shared suite in ``tests/contract/test_event_store.py`` runs it aga
     ``duplicate=True``: the same decision was recorded before (a redelivery, a re-run).
   - Each event's hash chains to the one before it: ``prev_hash`` must be the hash of the event
     at ``expected_version`` (:data:`~events.codec.GENESIS_HASH` for a new stream).
-* ``read_stream`` returns a stream's events in version order.
+* ``read_stream`` returns a stream's events in version order; ``last_event`` its newest event
+  alone (None for a stream with none), the head a writer appends after.
 * ``read_all(after)`` returns events in commit order, never skipping one that commits later
   with a smaller position (the snapshot-horizon cursor of DESIGN.md §3).
 * Pending calls (an inline projection kept by the append itself): a ``TaskPaused`` adds its
@@ -120,6 +121,12 @@ class EventStore(abc.ABC):
 
     @abc.abstractmethod
     async def read_stream(self, stream_id: str) -> list[RecordedEvent]: ...
+
+    async def last_event(self, stream_id: str) -> RecordedEvent | None:
+        """The stream's newest event, or None when it has none. Backends answer from their index
+        on ``(stream_id, stream_version)``; this default reads the whole stream."""
+        events = await self.read_stream(stream_id)
+        return events[-1] if events else None
 
     @abc.abstractmethod
     async def read_all(

@@ -78,7 +78,17 @@ def require(capability: Capability, why: str) -> None:
     message = f"{why} needs {capability.name}, but {capability.missing}"
     if os.environ.get("CI"):
         pytest.fail(f"{message} (under CI a missing capability fails)", pytrace=False)
-    pytest.skip(message)
+    pytest.skip(message, allow_module_level=True)  # a whole module may need it
+
+
+def penguiflow_capability() -> Capability:
+    """PenguiFlow, the optional extra ``waystation[penguiflow]`` (``scripts/bootstrap`` installs
+    it with the test dependencies)."""
+    try:
+        import penguiflow.state  # noqa: F401
+    except ImportError as error:
+        return Capability("PenguiFlow (pip install -e '.[penguiflow]')", f"it is missing: {error}")
+    return Capability("PenguiFlow")
 
 
 @dataclass(frozen=True)

@@ -177,7 +177,23 @@ class EventStoreContract:
         ]
 
     async def test_a_stream_never_written_reads_empty(self, store: EventStore) -> None:
-        assert await store.read_stream(new_stream()) == []
+        stream = new_stream()
+        assert await store.read_stream(stream) == []
+        assert await store.last_event(stream) is None
+
+    async def test_last_event_is_the_newest_event_of_its_stream_as_read_stream_gives_it(
+        self, store: EventStore
+    ) -> None:
+        stream, other = new_stream(), new_stream()
+        first = await store.append(stream, 0, probes(3), prev_hash=GENESIS_HASH)
+        await store.append(other, 0, probes(2), prev_hash=GENESIS_HASH)
+        last = await store.last_event(stream)
+        assert last is not None
+        assert (last.stream_id, last.stream_version, last.hash) == (stream, 3, first.last_hash)
+        await store.append(stream, 3, probes(1, start=4), prev_hash=first.last_hash)
+        newest = await store.last_event(stream)
+        assert newest == (await store.read_stream(stream))[-1]
+        assert newest is not None and newest.stream_version == 4
 
     async def test_streams_do_not_mix(self, store: EventStore) -> None:
         a, b = new_stream(), new_stream()

@@ -1,0 +1,486 @@
+"""PenguiFlow's StateStore on Waystation's event log.
+
+Every record PenguiFlow saves becomes an event of a stream of its own kind, never a task
+stream (the worker's projections and ``waystation verify`` read past their types):
+
+==============================================  ===============================================
+stream                                          events
+==============================================  ===============================================
+``penguiflow:trace:<trace id>``                 ``penguiflow.EventSaved`` (``None``: ``__global__``)
+``penguiflow:bindings:<trace id>``              ``penguiflow.RemoteBindingSaved``
+``penguiflow:pause:<token>``                    ``penguiflow.PlannerStateIssued`` / ``…Consumed``
+``penguiflow:memory:<key>``                     ``penguiflow.MemoryStateSaved``
+``penguiflow:session:<id>:tasks``               ``penguiflow.TaskSaved``
+``penguiflow:session:<id>:updates``             ``penguiflow.UpdateSaved``
+``penguiflow:session:<id>:steering``            ``penguiflow.SteeringSaved``
+``penguiflow:session:<id>:traces``              ``penguiflow.TraceListed``
+``penguiflow:trajectory:<trace id>``            ``penguiflow.TrajectorySaved``
+``penguiflow:planner:<trace id>``               ``penguiflow.PlannerEventSaved``
+==============================================  ===============================================
+
+Every query is answered from one stream, read through the log's index on ``(stream_id,
+stream_version)``: no projection is needed, and what a method returns is always what the
+log holds at that moment. A repeated save carries the same event id (uuid5 of the spec's
+fingerprint, or of the record's own idempotency key) and is recognised as a duplicate; see
+:mod:`workers.penguiflow.streams` for how records and last-write-wins registers are appended.
+
+No method raises into PenguiFlow (the spec's "must not throw"): each is bounded by ``timeout``,
+and a failure is logged (``statestore_<method>_failed``), counted in :attr:`errors` (and the
+``waystation_penguiflow_store_errors_total`` counter when a registry is given) and answered with
+the spec's safe default (nothing saved; ``[]`` or ``None`` read).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict
+from typing import Any, TypeVar
+
+from penguiflow.planner import PlannerEvent, Trajectory
+from penguiflow.state import (
+    RemoteBinding,
+    StateUpdate,
+    SteeringEvent,
+    StoredEvent,
+    TaskState,
+    TaskStateModel,
+)
+from penguiflow.steering import sanitize_steering_event
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as PrometheusCounter
+
+from events import EventStore, RecordedEvent
+
+from .streams import (
+    LogWriter,
+    decode_value,
+    derived_id,
+    encode_value,
+    fingerprint,
+    jsonable,
+    stream_name,
+)
+
+__all__ = ["GLOBAL_TRACE", "WaystationStateStore"]
+
+log = logging.getLogger(__name__)
+
+GLOBAL_TRACE = "__global__"
+"""Where events without a trace go (the spec's sentinel)."""
+
+T = TypeVar("T")
+
+
+def _never_raises(
+    default: Callable[[], Any],
+) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
+    def wrap(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+        @functools.wraps(method)
+        async def guarded(self: WaystationStateStore, *args: Any, **kwargs: Any) -> T:
+            try:
+                async with asyncio.timeout(self.timeout):
+                    return await method(self, *args, **kwargs)
+            except Exception as error:
+                self._failed(method.__name__, error, args)
+                return default()  # type: ignore[no-any-return]
+
+        return guarded
+
+    return wrap
+
+
+def _dump(model: Any) -> dict[str, Any]:
+    dumped: dict[str, Any] = jsonable(model.model_dump(mode="json", fallback=str))
+    return dumped
+
+
+class WaystationStateStore:
+    """The whole StateStore protocol of PenguiFlow 3.11 on an :class:`~events.EventStore`."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        *,
+        artifact_store: Any = None,
+        timeout: float = 5.0,
+        planner_state_ttl: float = 3600.0,
+        deployment: str | None = None,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.time,
+        owns_store: bool = False,
+    ) -> None:
+        self.store = store
+        self.timeout = timeout
+        self.planner_state_ttl = planner_state_ttl
+        self._artifact_store = artifact_store
+        self._clock = clock
+        self._owns_store = owns_store
+        metadata: dict[str, Any] = {"source": "penguiflow"}
+        if deployment is not None:
+            metadata["deployment"] = deployment
+        self._log = LogWriter(store, metadata)
+        self._reader = uuid.uuid4().hex
+        self.errors: Counter[str] = Counter()
+        """Failures by method since this adapter was made."""
+        self._error_counter = (
+            PrometheusCounter(
+                "waystation_penguiflow_store_errors",
+                "StateStore calls that failed and answered with the spec's safe default",
+                ["method"],
+                registry=registry,
+            )
+            if registry is not None
+            else None
+        )
+
+    def _failed(self, method: str, error: Exception, args: Sequence[Any]) -> None:
+        self.errors[method] += 1
+        if self._error_counter is not None:
+            self._error_counter.labels(method).inc()
+        log.warning(
+            "statestore_%s_failed: %r",
+            method,
+            error,
+            extra={
+                "event": f"statestore_{method}_failed",
+                "method": method,
+                "exception": repr(error),
+            },
+        )
+
+    async def close(self) -> None:
+        await self._log.close()
+        if self._owns_store:
+            await self.store.close()
+
+    async def _read(self, stream: str) -> list[RecordedEvent]:
+        return await self.store.read_stream(stream)
+
+    # ---- the audit log (required) ----
+
+    @_never_raises(lambda: None)
+    async def save_event(self, event: StoredEvent) -> None:
+        trace = event.trace_id or GLOBAL_TRACE
+        payload = dict(event.payload)
+        fields = {
+            "trace_id": trace,
+            "ts": event.ts,
+            "kind": event.kind,
+            "node_name": event.node_name,
+            "node_id": event.node_id,
+        }
+        stream = stream_name("trace", trace)
+        data = {
+            **fields,
+            "trace_id": event.trace_id,
+            "ts": float(event.ts),
+            "payload": encode_value(payload),
+        }
+        event_id = derived_id(stream, fingerprint({**fields, "payload": payload}))
+        await self._log.record(stream, self._log.new_event(event_id, "penguiflow.EventSaved", data))
+
+    @_never_raises(list)
+    async def load_history(self, trace_id: str) -> Sequence[StoredEvent]:
+        recorded = await self._read(stream_name("trace", trace_id))
+        # ascending time, ties in the order they were stored (the stream's versions)
+        recorded.sort(key=lambda e: (e.data["ts"], e.stream_version))
+        return [
+            StoredEvent(
+                trace_id=e.data["trace_id"],
+                ts=e.data["ts"],
+                kind=e.data["kind"],
+                node_name=e.data["node_name"],
+                node_id=e.data["node_id"],
+                payload=decode_value(e.data["payload"]),
+            )
+            for e in recorded
+            if e.event_type == "penguiflow.EventSaved"
+        ]
+
+    @_never_raises(lambda: None)
+    async def save_remote_binding(self, binding: RemoteBinding) -> None:
+        data = jsonable(asdict(binding))
+        stream = stream_name("bindings", binding.trace_id)
+        event_id = derived_id(stream, fingerprint(data))
+        event = self._log.new_event(event_id, "penguiflow.RemoteBindingSaved", {"binding": data})
+        await self._log.record(stream, event)
+
+    async def list_remote_bindings(self, trace_id: str) -> list[RemoteBinding]:
+        """The bindings of a trace, the newest save of each ``(context_id, task_id)`` (not part
+        of PenguiFlow's protocol: for auditors and tests)."""
+        latest: dict[tuple[Any, Any], dict[str, Any]] = {}
+        for event in await self._read(stream_name("bindings", trace_id)):
+            data = event.data["binding"]
+            latest.pop((data["context_id"], data["task_id"]), None)
+            latest[(data["context_id"], data["task_id"])] = data
+        return [RemoteBinding(**data) for data in latest.values()]
+
+    # ---- planner pause state: one-time tokens ----
+
+    @_never_raises(lambda: None)
+    async def save_planner_state(self, token: str, payload: dict[str, Any]) -> None:
+        stream = stream_name("pause", token)
+        stored = encode_value(payload, exact=True)
+        data = {
+            "token": token,
+            "payload": stored,
+            "expires_at": self._clock() + self.planner_state_ttl,
+        }
+        # a late retry of a save whose token was consumed meanwhile does not bring it back
+        event_id = derived_id(stream, "issued", fingerprint(stored))
+        issued = self._log.new_event(event_id, "penguiflow.PlannerStateIssued", data)
+        await self._log.record(stream, issued)
+
+    @_never_raises(lambda: None)
+    async def load_planner_state(self, token: str) -> dict[str, Any] | None:
+        stream = stream_name("pause", token)
+        while True:
+            events = await self._read(stream)
+            if not events:
+                return None
+            issued = next(
+                (e for e in reversed(events) if e.event_type == "penguiflow.PlannerStateIssued"),
+                None,
+            )
+            if issued is None or events[-1].event_type != "penguiflow.PlannerStateIssued":
+                return None  # never issued, or consumed since
+            if issued.data["expires_at"] <= self._clock():
+                return None
+            consume = self._log.new_event(
+                derived_id(stream, "consumed", issued.stream_version),
+                "penguiflow.PlannerStateConsumed",
+                {"token": token, "issued_version": issued.stream_version, "by": self._reader},
+            )
+            # the version check: of two readers appending after the same head, one wins
+            outcome = await self._log.append_at(stream, events[-1], consume)
+            if outcome == "written" or (outcome == "repeat" and await self._consumed_by_us(stream)):
+                return dict(decode_value(issued.data["payload"]))
+            if outcome == "repeat":
+                return None
+            # "moved": re-read; it was consumed, or issued again
+
+    async def _consumed_by_us(self, stream: str) -> bool:
+        last = await self.store.last_event(stream)
+        return last is not None and last.data.get("by") == self._reader
+
+    # ---- memory state: last write wins ----
+
+    @_never_raises(lambda: None)
+    async def save_memory_state(self, key: str, state: dict[str, Any]) -> None:
+        stored = encode_value(state)
+        await self._log.put(
+            stream_name("memory", key),
+            "penguiflow.MemoryStateSaved",
+            {"key": key, "state": stored},
+            same=fingerprint(stored),
+        )
+
+    @_never_raises(lambda: None)
+    async def load_memory_state(self, key: str) -> dict[str, Any] | None:
+        last = await self.store.last_event(stream_name("memory", key))
+        return dict(decode_value(last.data["state"])) if last is not None else None
+
+    # ---- session tasks and their updates ----
+
+    @_never_raises(lambda: None)
+    async def save_task(self, state: TaskState) -> None:
+        data = _dump(TaskStateModel.from_state(state))
+        stream = stream_name("session", state.session_id, "tasks")
+        event_id = derived_id(stream, fingerprint(data))
+        event = self._log.new_event(
+            event_id,
+            "penguiflow.TaskSaved",
+            {"task_id": state.task_id, "state": encode_value(data)},
+        )
+        await self._log.record(stream, event)
+
+    @_never_raises(list)
+    async def list_tasks(self, session_id: str) -> Sequence[TaskState]:
+        latest: dict[str, Any] = {}
+        for event in await self._read(stream_name("session", session_id, "tasks")):
+            latest[event.data["task_id"]] = decode_value(event.data["state"])
+        return [_task_state(TaskStateModel.model_validate(data)) for data in latest.values()]
+
+    @_never_raises(lambda: None)
+    async def save_update(self, update: StateUpdate) -> None:
+        stream = stream_name("session", update.session_id, "updates")
+        event = self._log.new_event(
+            derived_id(stream, "update", update.update_id),
+            "penguiflow.UpdateSaved",
+            {
+                "id": update.update_id,
+                "task_id": update.task_id,
+                "update": encode_value(_dump(update)),
+            },
+        )
+        await self._log.record(stream, event)
+
+    @_never_raises(list)
+    async def list_updates(
+        self,
+        session_id: str,
+        *,
+        task_id: str | None = None,
+        since_id: str | None = None,
+        limit: int = 500,
+    ) -> Sequence[StateUpdate]:
+        found = _page(
+            await self._read(stream_name("session", session_id, "updates")),
+            task_id,
+            since_id,
+            limit,
+        )
+        return [StateUpdate.model_validate(decode_value(e.data["update"])) for e in found]
+
+    # compatibility names PenguiFlow's adapters fall back to (state/adapters.py)
+    async def save_task_update(self, update: StateUpdate) -> None:
+        await self.save_update(update)
+
+    async def list_task_updates(
+        self,
+        session_id: str,
+        *,
+        task_id: str | None = None,
+        since_id: str | None = None,
+        limit: int = 500,
+    ) -> Sequence[StateUpdate]:
+        return await self.list_updates(session_id, task_id=task_id, since_id=since_id, limit=limit)
+
+    # ---- steering ----
+
+    @_never_raises(lambda: None)
+    async def save_steering(self, event: SteeringEvent) -> None:
+        sanitized = sanitize_steering_event(event)  # untrusted input: stored only once clamped
+        stream = stream_name("session", event.session_id, "steering")
+        record = self._log.new_event(
+            derived_id(stream, "steering", event.event_id),
+            "penguiflow.SteeringSaved",
+            {
+                "id": event.event_id,
+                "task_id": event.task_id,
+                "event": encode_value(_dump(sanitized)),
+            },
+        )
+        await self._log.record(stream, record)
+
+    @_never_raises(list)
+    async def list_steering(
+        self,
+        session_id: str,
+        *,
+        task_id: str | None = None,
+        since_id: str | None = None,
+        limit: int = 500,
+    ) -> Sequence[SteeringEvent]:
+        found = _page(
+            await self._read(stream_name("session", session_id, "steering")),
+            task_id,
+            since_id,
+            limit,
+        )
+        return [SteeringEvent.model_validate(decode_value(e.data["event"])) for e in found]
+
+    # ---- trajectories ----
+
+    @_never_raises(lambda: None)
+    async def save_trajectory(self, trace_id: str, session_id: str, trajectory: Trajectory) -> None:
+        stored = encode_value(trajectory.serialise())
+        saved = await self._log.put(
+            stream_name("trajectory", trace_id),
+            "penguiflow.TrajectorySaved",
+            {"trace_id": trace_id, "session_id": session_id, "trajectory": stored},
+            same=fingerprint([session_id, stored]),
+        )
+        # listed under its session once per version of the trajectory: a save that changed it
+        # moves the trace to the front; a retry after a crash between the two appends lists it
+        listing = stream_name("session", session_id, "traces")
+        event = self._log.new_event(
+            derived_id(listing, trace_id, saved.version),
+            "penguiflow.TraceListed",
+            {"trace_id": trace_id, "trajectory_version": saved.version},
+        )
+        await self._log.record(listing, event)
+
+    @_never_raises(lambda: None)
+    async def get_trajectory(self, trace_id: str, session_id: str) -> Trajectory | None:
+        last = await self.store.last_event(stream_name("trajectory", trace_id))
+        if last is None or last.data["session_id"] != session_id:
+            return None
+        return Trajectory.from_serialised(decode_value(last.data["trajectory"]))
+
+    @_never_raises(list)
+    async def list_traces(self, session_id: str, limit: int = 50) -> list[str]:
+        newest_first: dict[str, None] = {}
+        for event in reversed(await self._read(stream_name("session", session_id, "traces"))):
+            newest_first.setdefault(event.data["trace_id"], None)
+        return list(newest_first)[: max(limit, 0)]
+
+    # ---- planner events ----
+
+    @_never_raises(lambda: None)
+    async def save_planner_event(self, trace_id: str, event: PlannerEvent) -> None:
+        data = jsonable(asdict(event))
+        stream = stream_name("planner", trace_id)
+        record = self._log.new_event(
+            derived_id(stream, fingerprint(data)),
+            "penguiflow.PlannerEventSaved",
+            {"trace_id": trace_id, "event": encode_value(data)},
+        )
+        await self._log.record(stream, record)
+
+    @_never_raises(list)
+    async def list_planner_events(self, trace_id: str) -> list[PlannerEvent]:
+        return [
+            PlannerEvent(**decode_value(e.data["event"]))
+            for e in await self._read(stream_name("planner", trace_id))
+        ]
+
+    async def get_events(self, trace_id: str) -> list[PlannerEvent]:
+        """The older name of :meth:`list_planner_events` (PenguiFlow's playground)."""
+        return await self.list_planner_events(trace_id)
+
+    # ---- artifacts ----
+
+    @property
+    def artifact_store(self) -> Any:
+        return self._artifact_store
+
+
+def _page(
+    events: list[RecordedEvent], task_id: str | None, since_id: str | None, limit: int
+) -> list[RecordedEvent]:
+    """The records after ``since_id`` (exclusive; an unknown cursor is no cursor), of
+    ``task_id`` when given, the first ``limit`` of them: filtered before the limit, so paging
+    on the last id returned sees every record once."""
+    start = 0
+    if since_id is not None:
+        for index, event in enumerate(events):
+            if event.data["id"] == since_id:
+                start = index + 1
+                break
+    found = [e for e in events[start:] if task_id is None or e.data["task_id"] == task_id]
+    return found[: max(limit, 0)]
+
+
+def _task_state(model: TaskStateModel) -> TaskState:
+    return TaskState(
+        task_id=model.task_id,
+        session_id=model.session_id,
+        status=model.status,
+        task_type=model.task_type,
+        priority=model.priority,
+        context_snapshot=model.context_snapshot,
+        trace_id=model.trace_id,
+        result=model.result,
+        error=model.error,
+        description=model.description,
+        progress=model.progress,
+        created_at=model.created_at,
+        updated_at=model.updated_at,
+    )
