@@ -338,6 +338,16 @@ def _summary(event: RecordedEvent, parsed: DomainEvent | None, span: PauseSpan |
         outcome = f" {parsed.outcome}" if parsed.outcome else ""
         return f"ignored {parsed.reason}{outcome} reply for {parsed.subtask_id}"
     if isinstance(parsed, UnknownEvent):
+        if parsed.reason == "unknown-type" and parsed.type_name.startswith("penguiflow."):
+            # a PenguiFlow record (workers/penguiflow): its fields of note, as they are
+            shown = {
+                k: v
+                for k, v in event.data.items()
+                if k in {"kind", "node_name", "task_id", "id", "key", "token", "trace_id"}
+                and v is not None
+            }
+            detail = " ".join(f"{k}={_short(v, 40)}" for k, v in shown.items())
+            return f"{parsed.type_name.removeprefix('penguiflow.')} {detail}".rstrip()
         if parsed.reason == "unknown-type":
             return f"event of unknown type {parsed.type_name}"
         return (

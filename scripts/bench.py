@@ -15,7 +15,9 @@ Modes (``--only``, comma-separated; all by default):
   worker's VmRSS after the warm-up, periodically, and at the end;
 * ``append``: event appends to the PostgreSQL log, batched, by concurrent writers
   (:mod:`_bench.append`);
-* ``rebuild``: projection rebuilds from position zero (:mod:`_bench.rebuild`).
+* ``rebuild``: projection rebuilds from position zero (:mod:`_bench.rebuild`);
+* ``statestore``: PenguiFlow's ``save_event`` through ``workers.penguiflow`` on the log, by
+  concurrent callers (:mod:`_bench.statestore`; needs ``waystation[penguiflow]``).
 
 Each run of the worker modes gets a fresh database (``waystation_bench_<random>``, migrated,
 dropped at the end) and a fresh queue prefix (queues deleted at the end), and each session fresh
@@ -84,7 +86,7 @@ from workers.wire import Names
 
 AGENTS = tuple(example_app.agents)
 SINGLE_WARMUP = 20
-MODES = ("throughput", "single", "curve", "memory", "append", "rebuild")
+MODES = ("throughput", "single", "curve", "memory", "append", "rebuild", "statestore")
 CELERY_POOLS = ("solo", "prefork", "threads")  # as _bench.celery_job.POOLS (needs no celery here)
 
 
@@ -192,6 +194,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     append.add_argument("--append-batch", type=int, default=100, help="events per append")
     append.add_argument("--append-writers", type=int, default=8, help="concurrent writers")
+    statestore = parser.add_argument_group("statestore mode")
+    statestore.add_argument(
+        "--statestore-events", type=int, default=20_000, help="distinct events saved per run"
+    )
+    statestore.add_argument(
+        "--statestore-traces", type=int, default=200, help="traces the events are spread over"
+    )
+    statestore.add_argument(
+        "--statestore-callers", type=int, default=64, help="concurrent save_event callers"
+    )
     rebuild = parser.add_argument_group("rebuild mode")
     rebuild.add_argument(
         "--rebuild-events",
@@ -235,7 +247,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.rebuild_only:
         args.only = ["rebuild"]
-    for name in ("parents", "in_flight", "k", "runs", "workers", "append_batch", "append_writers"):
+    for name in (
+        "parents",
+        "in_flight",
+        "k",
+        "runs",
+        "workers",
+        "append_batch",
+        "append_writers",
+        "statestore_events",
+        "statestore_traces",
+        "statestore_callers",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.single < 0 or args.warmup < 0 or args.memory_warmup < 0 or args.rebuild_events < 0:
@@ -723,6 +746,16 @@ class Bench:
                 events=a.append_events,
                 batch=a.append_batch,
                 writers=a.append_writers,
+                runs=a.runs,
+            )
+        if "statestore" in a.only:
+            from _bench.statestore import statestore_benchmark
+
+            results["statestore"] = await statestore_benchmark(
+                self.admin_url,
+                events=a.statestore_events,
+                traces=a.statestore_traces,
+                concurrency=a.statestore_callers,
                 runs=a.runs,
             )
         if "rebuild" in a.only and a.rebuild_events:

@@ -147,6 +147,12 @@ FIGURES: dict[str, list[Figure]] = {
                "append_p50_ms", "{:.1f}"),
         Figure("append_unbatched_events_per_s", "appends, 1 event each, {append_writers} writers",
                "events/s", "append", "unbatched_events_per_s", "{:,.0f}"),
+        Figure("statestore_events_per_s", "PenguiFlow save_event, {statestore_callers} callers, "
+               "{statestore_traces} traces", "events/s", "statestore", "events_per_s", "{:,.0f}"),
+        Figure("statestore_save_p50_ms", "one save_event, p50", "ms", "statestore",
+               "save_p50_ms", "{:.1f}"),
+        Figure("statestore_half_repeated_calls_per_s", "save_event, half of the calls repeats",
+               "calls/s", "statestore", "half_repeated_calls_per_s", "{:,.0f}"),
         Figure("rebuild_events_per_s", "projection rebuild, slowest projection", "events/s",
                "rebuild", "slowest_events_per_s", "{:,.0f}", target="≥50,000"),
     ],
@@ -181,6 +187,7 @@ def _phases(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
         if run.get("throughput") and run.get("celery_throughput")
     ]
     phases["append"] = (results.get("append") or {}).get("runs", [])
+    phases["statestore"] = (results.get("statestore") or {}).get("runs", [])
     rebuild = (results.get("projection_rebuild") or {}).get("runs", [])
     phases["rebuild"] = [
         {"slowest_events_per_s": r["slowest_events_per_s"], **r["events_per_s"]} for r in rebuild
