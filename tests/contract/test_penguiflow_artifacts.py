@@ -585,6 +585,20 @@ class TestPostgresBlobs(ArtifactStoreContract):
             ).scalars()
             assert [float(seconds) for seconds in lifetimes] == [3600.0, 3600.0]
 
+    async def test_a_put_leaves_the_shared_engine_in_autocommit(self, database_url: str) -> None:
+        """The event log's statements on the same pooled connection must still commit alone."""
+        engine = create_engine(database_url, pool_size=1)
+        try:
+            store = WaystationArtifactStore(PostgresBlobs(engine))
+            await store.put_bytes(content(), scope=fresh_scope())
+            async with engine.connect() as connection:
+                await connection.execute(text("SELECT 1"))
+                raw = await connection.get_raw_connection()
+                assert raw.driver_connection is not None
+                assert not raw.driver_connection.is_in_transaction()
+        finally:
+            await engine.dispose()
+
     async def test_a_transactional_engine_works_as_well(self, database_url: str) -> None:
         engine = create_async_engine(database_url)
         try:
