@@ -56,6 +56,7 @@ __all__ = [
     "PostgresEventStore",
     "create_engine",
     "horizon_holder",
+    "translate_error",
 ]
 
 _APPEND = text(
@@ -300,8 +301,9 @@ def _sqlstate(error: BaseException) -> str | None:
     return None
 
 
-def _translate(error: Exception) -> EventStoreError:
-    """Map a driver or SQLAlchemy error to the log's own hierarchy (see ``events.errors``)."""
+def translate_error(error: Exception) -> EventStoreError:
+    """Map a driver or SQLAlchemy error to the log's own hierarchy (see ``events.errors``); for
+    other tables of the same database too (``workers.penguiflow.artifacts``)."""
     if isinstance(error, sqlalchemy.exc.DBAPIError) and error.connection_invalidated:
         return StoreUnavailable(str(error.orig or error))
     if isinstance(
@@ -319,6 +321,9 @@ def _translate(error: Exception) -> EventStoreError:
     if sqlstate is not None and sqlstate.startswith(_TRANSIENT_SQLSTATES):
         return StoreUnavailable(f"{sqlstate}: {getattr(error, 'orig', None) or error}")
     return IntegrityError(str(error))
+
+
+_translate = translate_error
 
 
 class PostgresEventStore(EventStore):

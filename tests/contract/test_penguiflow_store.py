@@ -47,7 +47,12 @@ from penguiflow.steering import (  # noqa: E402
     MAX_STEERING_STRING,
 )
 
-from workers.penguiflow import GLOBAL_TRACE, WaystationStateStore  # noqa: E402
+from workers.penguiflow import (  # noqa: E402
+    GLOBAL_TRACE,
+    WaystationStateStore,
+    create_memory_store,
+    create_store,
+)
 
 # ---- helpers -------------------------------------------------------------------------------------
 
@@ -604,10 +609,29 @@ class StateStoreContract:
         assert adapter.errors == {}
 
 
+async def artifacts_are_found_and_kept(adapter: WaystationStateStore) -> None:
+    """PenguiFlow finds the factory's artifact store and it keeps what it is given (the store
+    itself is covered by tests/contract/test_penguiflow_artifacts.py)."""
+    from penguiflow.artifacts import ArtifactScope, discover_artifact_store
+
+    found = discover_artifact_store(adapter)
+    assert found is adapter.artifact_store and found is not None
+    data = uuid.uuid4().bytes * 100
+    ref = await found.put_bytes(
+        data,
+        mime_type="application/octet-stream",
+        scope=ArtifactScope(session_id=new_id("session")),
+    )
+    assert await found.get(ref.id) == data and ref.size_bytes == len(data)
+
+
 class TestOnTheInMemoryLog(StateStoreContract):
     @pytest.fixture
     def log(self) -> EventStore:
         return InMemoryEventStore()
+
+    async def test_the_factory_gives_an_artifact_store(self, log: EventStore) -> None:
+        await artifacts_are_found_and_kept(create_memory_store(log))
 
 
 class TestOnPostgreSQL(StateStoreContract):
@@ -616,6 +640,13 @@ class TestOnPostgreSQL(StateStoreContract):
         store = PostgresEventStore.from_url(database_url, pool_size=8)
         yield store
         await store.close()
+
+    async def test_the_factory_gives_an_artifact_store(self, database_url: str) -> None:
+        adapter = await create_store(database_url=database_url)
+        try:
+            await artifacts_are_found_and_kept(adapter)
+        finally:
+            await adapter.close()
 
 
 def test_a_long_or_odd_key_gets_a_stream_name_the_index_can_hold() -> None:

@@ -17,9 +17,16 @@ from events import EventStore
 from events.memory import InMemoryEventStore
 
 from ..settings import Settings
+from .artifacts import MemoryBlobs, PostgresBlobs, WaystationArtifactStore
 from .store import GLOBAL_TRACE, WaystationStateStore
 
-__all__ = ["GLOBAL_TRACE", "WaystationStateStore", "create_memory_store", "create_store"]
+__all__ = [
+    "GLOBAL_TRACE",
+    "WaystationArtifactStore",
+    "WaystationStateStore",
+    "create_memory_store",
+    "create_store",
+]
 
 POOL_SIZE = 4
 
@@ -48,7 +55,11 @@ def create_memory_store(store: EventStore | None = None, **options: Any) -> Ways
     return WaystationStateStore(log, **options)
 
 
-def _artifacts(store: EventStore) -> Any:
-    """The artifact store beside ``store`` (see ``workers/penguiflow/artifacts.py``), or None
-    while that module is not there."""
-    return None
+def _artifacts(store: EventStore) -> WaystationArtifactStore:
+    """The artifact store beside ``store``: the table ``penguiflow_artifacts`` of the same
+    database for PostgreSQL, memory otherwise (``workers/penguiflow/artifacts.py``)."""
+    from events.postgres import PostgresEventStore
+
+    if isinstance(store, PostgresEventStore):
+        return WaystationArtifactStore(PostgresBlobs(store.engine))
+    return WaystationArtifactStore(MemoryBlobs())

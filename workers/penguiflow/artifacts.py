@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from penguiflow.artifacts import (  # type: ignore[import-untyped]
+from penguiflow.artifacts import (
     ArtifactRef,
     ArtifactRetentionConfig,
     ArtifactScope,
@@ -73,7 +73,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from events.codec import as_stored, unstorable
-from events.postgres import _translate
+from events.postgres import translate_error as _translate
 
 __all__ = [
     "Blob",
