@@ -2,7 +2,8 @@
 figures around it (event appends, projection rebuilds, a worker's memory over a long run, a
 concurrency curve), optionally side by side with the same job in Celery.
 
-Modes (``--only``, comma-separated; all by default):
+Modes (``--only``, comma-separated, or ``all``; by default ``throughput,single`` with Celery
+beside them, about ten minutes, so that it can be run before and after every change):
 
 * ``throughput``: per run, a warm-up, then ``--parents`` orchestrator tasks (K researchers each,
   work_ms 0) kept ``--in-flight`` at a time; parents/s and submit-to-result latency;
@@ -31,7 +32,7 @@ with RabbitMQ's global counters when rabbitmqctl works). Per parent over the mea
 only: CPU of the workers (/proc/<pid>/stat), of RabbitMQ, of the bench process (the client) and
 of the whole machine. Figures are the median across ``--runs``; the JSON has every run.
 
-``--compare celery`` runs the same job in Celery (:mod:`_bench.celery_job`) in the same runs,
+``--compare celery`` (the default; ``--compare none`` skips it) runs the same job in Celery (:mod:`_bench.celery_job`) in the same runs,
 right after the Waystation sessions, with the same parents and parents in flight, and at every
 curve point; ``ratio_vs_celery`` is the ratio of the median throughputs.
 """
@@ -87,11 +88,15 @@ from workers.wire import Names
 AGENTS = tuple(example_app.agents)
 SINGLE_WARMUP = 20
 MODES = ("throughput", "single", "curve", "memory", "append", "rebuild", "statestore")
+DEFAULT_MODES = ("throughput", "single")
+"""What plain ``scripts/bench`` runs (about ten minutes with Celery); the rest on request."""
 CELERY_POOLS = ("solo", "prefork", "threads")  # as _bench.celery_job.POOLS (needs no celery here)
 
 
 def _modes(value: str) -> list[str]:
     modes = [m.strip() for m in value.split(",") if m.strip()]
+    if modes == ["all"]:
+        return list(MODES)
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise argparse.ArgumentTypeError(
@@ -121,16 +126,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--only",
         type=_modes,
-        default=list(MODES),
+        default=list(DEFAULT_MODES),
         metavar="MODES",
-        help=f"comma-separated modes to run, of: {', '.join(MODES)}",
+        help=f"comma-separated modes to run, of: {', '.join(MODES)}; or all",
     )
     parser.add_argument(
         "--compare",
-        choices=["celery"],
-        default=None,
+        choices=["celery", "none"],
+        default="celery",
         help="run the same job in Celery (RabbitMQ broker, Redis results, acks_late) side by side "
-        "in the throughput, single and curve modes",
+        "in the throughput, single and curve modes; none: Waystation alone",
     )
     job = parser.add_argument_group("the job (both systems)")
     job.add_argument("--parents", type=int, default=2000, help="parents in the throughput phase")
@@ -245,6 +250,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--json", default="bench-results/latest.json", help="where to write results"
     )
     args = parser.parse_args(argv)
+    if args.compare == "none":
+        args.compare = None
     if args.rebuild_only:
         args.only = ["rebuild"]
     for name in (
