@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+import re
+from collections.abc import Callable, Sequence
 from datetime import datetime
+from typing import Any
 
-from .codec import as_stored, chain_hash
+import orjson
+
+from .codec import as_stored, canonical, chain_hash
 from .model import NewEvent, RecordedEvent, hash_body
 
 __all__ = ["chain", "recorded_events"]
@@ -36,6 +41,30 @@ def chain(
     return links
 
 
+def _stored_hash(
+    prev_hash: bytes, body: dict[str, Any], original: Callable[[], dict[str, Any]]
+) -> bytes:
+    """``chain_hash(prev_hash, original)`` computed from ``body``, the same body with its data
+    and metadata already in stored form (``as_stored``): their encoding is already canonical, so
+    it is not folded a second time. A value orjson cannot encode again (an integer beyond 64
+    bits, which the fold wrote as digits) takes the long way."""
+    try:
+        encoded = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONEncodeError:
+        encoded = None
+    if encoded is None or _EXPONENT.search(encoded):
+        # a number with an exponent: a float of 1e16 or more that jsonb gave back as a float
+        # (beyond 64 bits), which the fold writes as digits; or a tiny one (folded as it is)
+        encoded = canonical(original())
+    digest = hashlib.sha256(prev_hash)
+    digest.update(encoded)
+    return digest.digest()
+
+
+_EXPONENT = re.compile(rb"[:\[,]-?\d+(?:\.\d+)?[eE]")
+"""A JSON number written with an exponent (inside a string it only costs the long way)."""
+
+
 def recorded_events(
     stream_id: str,
     expected_version: int,
@@ -50,22 +79,48 @@ def recorded_events(
     numbered from ``first_position`` (0: positions not known, as for a writer's own copy), and
     with data and metadata in the form the log gives back (``events.codec.as_stored``), so that
     a writer's own copy decides exactly as a read of the stream would."""
-    return [
-        RecordedEvent(
-            stream_id=stream_id,
-            stream_version=version,
-            event_id=event.event_id,
-            event_type=event.event_type,
-            data=as_stored(event.data),
-            metadata=as_stored(event.metadata),
-            schema_version=event.schema_version,
-            prev_hash=previous,
-            hash=digest,
-            global_position=first_position + offset if first_position else 0,
-            tx_id=tx_id,
-            recorded_at=recorded_at,
+    recorded = []
+    previous = prev_hash
+    for offset, event in enumerate(events, start=1):
+        version = expected_version + offset
+        data, metadata = as_stored(event.data), as_stored(event.metadata)
+        body = hash_body(
+            stream_id,
+            version,
+            event.event_id,
+            event.event_type,
+            event.schema_version,
+            data,
+            metadata,
         )
-        for offset, (event, (version, previous, digest)) in enumerate(
-            zip(events, chain(stream_id, expected_version, events, prev_hash), strict=True)
+        digest = _stored_hash(
+            previous,
+            body,
+            lambda event=event, version=version: hash_body(  # type: ignore[misc]
+                stream_id,
+                version,
+                event.event_id,
+                event.event_type,
+                event.schema_version,
+                event.data,
+                event.metadata,
+            ),
         )
-    ]
+        recorded.append(
+            RecordedEvent(
+                stream_id=stream_id,
+                stream_version=version,
+                event_id=event.event_id,
+                event_type=event.event_type,
+                data=data,
+                metadata=metadata,
+                schema_version=event.schema_version,
+                prev_hash=previous,
+                hash=digest,
+                global_position=first_position + offset - 1 if first_position else 0,
+                tx_id=tx_id,
+                recorded_at=recorded_at,
+            )
+        )
+        previous = digest
+    return recorded

@@ -32,9 +32,10 @@ with RabbitMQ's global counters when rabbitmqctl works). Per parent over the mea
 only: CPU of the workers (/proc/<pid>/stat), of RabbitMQ, of the bench process (the client) and
 of the whole machine. Figures are the median across ``--runs``; the JSON has every run.
 
-``--compare celery`` (the default; ``--compare none`` skips it) runs the same job in Celery (:mod:`_bench.celery_job`) in the same runs,
-right after the Waystation sessions, with the same parents and parents in flight, and at every
-curve point; ``ratio_vs_celery`` is the ratio of the median throughputs.
+``--compare celery`` (the default; ``--compare none`` skips it) runs the same job in Celery
+(:mod:`_bench.celery_job`) in the same runs, right after the Waystation sessions, with the same
+parents and parents in flight, and at every curve point; ``ratio_vs_celery`` is the ratio of the
+median throughputs.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import sqlalchemy.exc
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -592,6 +592,9 @@ class TestPostgresEventStore(EventStoreContract):
         metadata=st.dictionaries(text_without_nul, jsonb_values, max_size=3),
         second=jsonb_values,
     )
+    # beyond 64 bits: jsonb gives the digits back, which a float parse reads as a float again
+    @example(data=None, metadata={}, second=1.8446744073709552e19)
+    @example(data=-0.0, metadata={"t": 1e16}, second=[1e-7, -1e300])
     async def test_hashes_recomputed_from_what_jsonb_gives_back_match(
         self, store: PostgresEventStore, data: Any, metadata: dict[str, Any], second: Any
     ) -> None:
