@@ -330,11 +330,21 @@ def _sqlstate(error: BaseException) -> str | None:
 def translate_error(error: Exception) -> EventStoreError:
     """Map a driver or SQLAlchemy error to the log's own hierarchy (see ``events.errors``); for
     other tables of the same database too (``workers.penguiflow.artifacts``)."""
+    if isinstance(
+        error, (asyncpg.exceptions._base.DataError, asyncpg.exceptions.ClientConfigurationError)
+    ):
+        # an argument the driver cannot encode, a bad setting: InterfaceErrors too, but never
+        # transient (retrying would loop)
+        return IntegrityError(str(error))
     if isinstance(error, sqlalchemy.exc.DBAPIError) and error.connection_invalidated:
         return StoreUnavailable(str(error.orig or error))
     if isinstance(
         error,
         (
+            # the driver's own, when used directly (the hot path): the connection closed under
+            # it, or was left mid-statement by a cancelled caller
+            asyncpg.exceptions.InterfaceError,
+            asyncpg.exceptions.InternalClientError,
             OSError,  # connection refused, reset, unreachable
             TimeoutError,  # the builtin one: a connect or command timeout of the driver
             sqlalchemy.exc.TimeoutError,  # no pooled connection free within pool_timeout
@@ -359,9 +369,10 @@ async def _driver(connection: Any) -> asyncpg.Connection:
 
 
 async def _invalidate_if_broken(connection: Any, error: BaseException) -> None:
-    """A connection the driver found broken, used beside SQLAlchemy's back, is not known to its
-    pool as broken: drop it, or the pool would hand it out again."""
-    if isinstance(error, Exception) and isinstance(translate_error(error), StoreUnavailable):
+    """A connection the driver found broken (or left in the middle of a statement, when its
+    caller was cancelled), used beside SQLAlchemy's back, is not known to its pool as broken:
+    drop it, or the pool would hand it out again."""
+    if not isinstance(error, Exception) or isinstance(translate_error(error), StoreUnavailable):
         with contextlib.suppress(Exception):
             await connection.invalidate()
 

@@ -58,3 +58,31 @@ def test_a_transient_sqlstate_is_store_unavailable(sqlstate: str) -> None:
 @pytest.mark.parametrize("sqlstate", sorted(PERMANENT))
 def test_any_other_sqlstate_is_an_integrity_error(sqlstate: str) -> None:
     assert isinstance(_translate(server_error(sqlstate)), IntegrityError), PERMANENT[sqlstate]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        asyncpg.exceptions.InterfaceError("connection is closed"),
+        asyncpg.exceptions.ConnectionDoesNotExistError("connection was closed in the middle"),
+        asyncpg.exceptions.InternalClientError("cannot switch to state 12; another operation"),
+    ],
+    ids=repr,
+)
+def test_the_drivers_own_errors_of_a_broken_connection_are_store_unavailable(
+    error: Exception,
+) -> None:
+    # the hot path uses the asyncpg connection directly: these reach the store unwrapped
+    assert isinstance(_translate(error), StoreUnavailable)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        asyncpg.exceptions._base.DataError("invalid input for query argument $1"),
+        asyncpg.exceptions.ClientConfigurationError("a bad setting"),
+    ],
+    ids=repr,
+)
+def test_what_the_driver_cannot_send_is_an_integrity_error(error: Exception) -> None:
+    assert isinstance(_translate(error), IntegrityError)
