@@ -3,7 +3,7 @@ figures around it (event appends, projection rebuilds, a worker's memory over a 
 concurrency curve), optionally side by side with the same job in Celery.
 
 Modes (``--only``, comma-separated, or ``all``; by default ``throughput,single`` with Celery
-beside them, about ten minutes, so that it can be run before and after every change):
+beside them, three to four minutes, so that it can be run before and after every change):
 
 * ``throughput``: per run, a warm-up, then ``--parents`` orchestrator tasks (K researchers each,
   work_ms 0) kept ``--in-flight`` at a time; parents/s and submit-to-result latency;
@@ -90,7 +90,7 @@ AGENTS = tuple(example_app.agents)
 SINGLE_WARMUP = 20
 MODES = ("throughput", "single", "curve", "memory", "append", "rebuild", "statestore")
 DEFAULT_MODES = ("throughput", "single")
-"""What plain ``scripts/bench`` runs (about ten minutes with Celery); the rest on request."""
+"""What plain ``scripts/bench`` runs (three to four minutes with Celery); the rest on request."""
 CELERY_POOLS = ("solo", "prefork", "threads")  # as _bench.celery_job.POOLS (needs no celery here)
 
 
