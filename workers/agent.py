@@ -12,6 +12,15 @@ A handler receives a :class:`TaskContext` and returns :class:`~events.Complete` 
             return Pause(calls, update={"started": True})
         return Complete(sum(r.value["answer"] for r in task.results))
 
+A plain ``def`` handler (blocking code: a synchronous SDK, ``requests``, file work) is run in the
+worker's thread pool, so that it stalls neither the event loop nor the broker's heartbeats.
+
+An agent may declare pydantic models for its input and its result
+(``@app.agent("quote", input=QuoteRequest, result=Quote)``): the input is validated before the
+handler runs (an invalid one is dead-lettered as ``invalid-input`` and its publisher told which
+field is wrong), ``task.input`` is then an instance of the input model, and a returned result is
+validated against the result model and sent as ``model_dump(mode="json")``.
+
 On a resume the handler gets its state back exactly as it was saved and the results of the pause
 it is resuming from, in call order. A handler may pause any number of times; ``task.pause`` says
 which pause it is resuming from (0 on the first run). Handlers never ack or publish anything
@@ -20,13 +29,16 @@ themselves: the runtime records the outcome first and settles the message after.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
 
 from events import CallResult, Outcome
 
-__all__ = ["AgentSpec", "App", "Handler", "TaskContext"]
+__all__ = ["AgentSpec", "App", "BlockingHandler", "Handler", "TaskContext"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +48,7 @@ class TaskContext:
     task_id: str
     agent: str
     input: Any
+    """The task's JSON input; an instance of the agent's input model when it declares one."""
     state: Mapping[str, Any] = field(default_factory=dict)
     """The state saved by earlier pauses. Read-only: change it with ``Pause(update=…)``."""
     pause: int = 0
@@ -51,14 +64,23 @@ class TaskContext:
 
 
 Handler = Callable[[TaskContext], Awaitable[Outcome]]
+BlockingHandler = Callable[[TaskContext], Outcome]
+"""A plain ``def`` handler: run in the worker's thread pool."""
+AnyHandler = TypeVar("AnyHandler", bound=Callable[[TaskContext], Any])
 
 
 @dataclass(frozen=True, slots=True)
 class AgentSpec:
     name: str
-    handler: Handler
+    handler: Handler | BlockingHandler
     default_timeout: float | None = None
     """Deadline of this agent's calls when a call sets none (else the global default)."""
+    blocking: bool = False
+    """The handler is a plain function, run in the worker's thread pool."""
+    input_model: type[BaseModel] | None = None
+    """What the input must be; the handler gets an instance of it as ``task.input``."""
+    result_model: type[BaseModel] | None = None
+    """What the result must be; it is sent as the model's JSON form."""
 
 
 class App:
@@ -68,16 +90,33 @@ class App:
         self._agents: dict[str, AgentSpec] = {}
 
     def agent(
-        self, name: str, *, default_timeout: float | None = None
-    ) -> Callable[[Handler], Handler]:
-        """Register the decorated coroutine function as the handler of agent ``name``."""
+        self,
+        name: str,
+        *,
+        default_timeout: float | None = None,
+        input: type[BaseModel] | None = None,
+        result: type[BaseModel] | None = None,
+    ) -> Callable[[AnyHandler], AnyHandler]:
+        """Register the decorated function as the handler of agent ``name``: a coroutine
+        function, or a plain function (run in the worker's thread pool). ``input`` and
+        ``result`` are the pydantic models of its input and result, if it declares them."""
         if not name or any(ch.isspace() for ch in name):
             raise ValueError(f"agent names are non-empty and without spaces: {name!r}")
+        for role, model in (("input", input), ("result", result)):
+            if model is not None and not (isinstance(model, type) and issubclass(model, BaseModel)):
+                raise TypeError(f"agent {name!r}: {role}= takes a pydantic model, not {model!r}")
 
-        def register(handler: Handler) -> Handler:
+        def register(handler: AnyHandler) -> AnyHandler:
             if name in self._agents:
                 raise ValueError(f"agent {name!r} is already registered")
-            self._agents[name] = AgentSpec(name, handler, default_timeout)
+            self._agents[name] = AgentSpec(
+                name,
+                handler,
+                default_timeout,
+                blocking=not _is_async(handler),
+                input_model=input,
+                result_model=result,
+            )
             return handler
 
         return register
@@ -88,3 +127,10 @@ class App:
 
     def __getitem__(self, name: str) -> AgentSpec:
         return self._agents[name]
+
+
+def _is_async(handler: Callable[..., Any]) -> bool:
+    """A coroutine function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+        getattr(handler, "__call__", None)  # noqa: B004
+    )

@@ -18,6 +18,8 @@ reason. Reasons (the ``x-waystation-reason`` header of the dead letter):
 ``unknown-message-type``    a ``type`` this queue does not take
 ``malformed-correlation-id``  a reply whose correlation id names no sub-task
 ``unknown-task``            a reply or progress report for a task the log does not know
+``invalid-input``           a task whose input does not fit its agent's input model (the
+                            detail names each wrong field); its publisher is told
 ``handler-failed``          the handler raised on every allowed attempt, or returned an
                             outcome that cannot be recorded
 ``delivery-limit``          delivered more times than the delivery limit without being settled

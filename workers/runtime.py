@@ -21,6 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from events import EventStore, OutboxMessage, StoreUnavailable, parse_subtask_id
 from events.codec import dumps
@@ -103,6 +104,10 @@ class Worker:
             cache_bytes=settings.stream_cache_bytes,
         )
         self.settler = Settler(self.broker, self.names, self.observer, settings.worker_id)
+        # plain `def` handlers: at most as many at once as the worker takes messages per queue
+        self.threads = ThreadPoolExecutor(
+            max_workers=settings.concurrency, thread_name_prefix="waystation-handler"
+        )
         self.flows = Flows(
             app,
             settings,
@@ -113,6 +118,7 @@ class Worker:
             clock,
             faults,
             self.settler,
+            self.threads,
         )
         self.sweeper = DeadlineSweeper(
             store,
@@ -192,6 +198,9 @@ class Worker:
                 await task
         await self.outbox.stop(self.settings.shutdown_grace)
         await self.broker.close()
+        # a plain handler still running after the grace period cannot be interrupted: its thread
+        # finishes on its own, and its outcome is dropped (the message was not acked)
+        self.threads.shutdown(wait=False, cancel_futures=True)
         if self.settings.stats_file:
             await asyncio.to_thread(
                 _write_file, self.settings.stats_file, dumps(self.stats.to_json())

@@ -8,6 +8,7 @@ area, one module each:
 * :mod:`.tasks`: ``submit``, ``cancel``, ``dead-letters``, ``tasks`` and ``status``;
 * :mod:`.audit`: ``verify``, ``history``, ``export`` and ``state``;
 * :mod:`.admin`: ``db upgrade`` and the one-shot ``projections`` commands;
+* :mod:`.schema`: ``schema``, the JSON Schema of an agent's input and result;
 
 and :mod:`.wiring` builds what they share: the settings, the event loop, the backends.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import click
 
-from . import admin, audit, serve, tasks
+from . import admin, audit, schema, serve, tasks
 
 __all__ = ["main"]
 
@@ -65,5 +66,6 @@ main.add_command(audit.export)
 main.add_command(audit.state)
 main.add_command(admin.db)
 main.add_command(admin.projections_group)
+main.add_command(schema.schema)
 # a long-running process like `worker`, so it lives in serve; the group it belongs to is admin's
 admin.projections_group.add_command(serve.run_projections)

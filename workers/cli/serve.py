@@ -9,7 +9,6 @@ harness rather than with the one-shot ``projections`` commands in ``admin``.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import signal
 import sys
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from .wiring import load_settings, run
+from .wiring import load_app, load_settings, run
 
 if TYPE_CHECKING:
     from ..settings import Settings
@@ -34,7 +33,7 @@ log = logging.getLogger("waystation")
     "app_path",
     default="workers.example:app",
     show_default=True,
-    help="The app to serve, as module:attribute.",
+    help="The app to serve, as module:attribute (imported from the current directory first).",
 )
 @click.option("--concurrency", type=int, help="Messages handled at once per queue.")
 def worker(app_path: str, concurrency: int | None) -> None:
@@ -45,7 +44,7 @@ def worker(app_path: str, concurrency: int | None) -> None:
     next commit within WAYSTATION_SHUTDOWN_GRACE seconds, and exits 0.
     """
     settings = load_settings(concurrency=concurrency)
-    app = _load_app(app_path)
+    app = load_app(app_path)
     _log_as_worker(settings.worker_id)
     _run_service(_serve(app, settings))
 
@@ -61,16 +60,6 @@ def run_projections() -> None:
     settings = load_settings()
     _log_as_worker(settings.worker_id)
     _run_service(_run_projections(settings))
-
-
-def _load_app(path: str) -> Any:
-    module_name, _, attribute = path.partition(":")
-    try:
-        return getattr(importlib.import_module(module_name), attribute or "app")
-    except (ImportError, AttributeError) as error:
-        raise click.BadParameter(
-            f"cannot load app {path!r}: {error}", param_hint="--app"
-        ) from error
 
 
 def _log_as_worker(worker_id: str) -> None:

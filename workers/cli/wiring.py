@@ -7,6 +7,9 @@ usage errors answer at once.
 from __future__ import annotations
 
 import asyncio
+import importlib
+import os
+import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
@@ -17,7 +20,14 @@ if TYPE_CHECKING:
 
     from ..settings import Settings
 
-__all__ = ["load_settings", "open_store", "projection_engine", "run", "with_projection_engine"]
+__all__ = [
+    "load_app",
+    "load_settings",
+    "open_store",
+    "projection_engine",
+    "run",
+    "with_projection_engine",
+]
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -28,6 +38,24 @@ def load_settings(**overrides: Any) -> Settings:
     from ..settings import Settings
 
     return Settings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def load_app(path: str) -> Any:
+    """The app ``module:attribute`` names (``module`` alone means its ``app``), importing from
+    the current directory first, as ``python -m`` would: an installed ``waystation`` script has
+    its own directory on ``sys.path``, not the one it is run from."""
+    import click
+
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    module_name, _, attribute = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attribute or "app")
+    except (ImportError, AttributeError) as error:
+        raise click.BadParameter(
+            f"cannot load app {path!r}: {error}", param_hint="--app"
+        ) from error
 
 
 def run(coroutine: Coroutine[Any, Any, T]) -> T:

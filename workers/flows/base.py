@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
+import inspect
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Executor
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
+
+from pydantic import BaseModel, ValidationError
 
 from events import (
     Complete,
@@ -29,7 +35,15 @@ from ..settings import Settings
 from ..settle import Settled, Settler, attempt_of, crash_limit, dead, retry
 from ..wire import Names, ResultEnvelope, result_message
 
-__all__ = ["DeliveryLimitReached", "Flows", "copy_json", "error_of", "resume_context"]
+__all__ = [
+    "DeliveryLimitReached",
+    "Flows",
+    "copy_json",
+    "error_of",
+    "invalid_fields",
+    "resume_context",
+    "typed_input",
+]
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +63,58 @@ def error_of(error: BaseException) -> dict[str, str]:
     return {"type": type(error).__name__, "message": message}
 
 
+def invalid_fields(error: ValidationError) -> str:
+    """What pydantic found wrong, one ``field: why`` per problem (the field as a dotted path)."""
+    problems = []
+    for problem in error.errors(include_url=False):
+        where = ".".join(str(part) for part in problem["loc"]) or "(the whole value)"
+        problems.append(f"{where}: {problem['msg']}")
+    return "; ".join(problems)
+
+
+def typed_input(spec: AgentSpec, raw: Any) -> Any:
+    """The input as the handler sees it: an instance of the agent's input model when it declares
+    one (raises pydantic's ``ValidationError`` when the input does not fit), else the JSON."""
+    if spec.input_model is None:
+        return raw
+    return spec.input_model.model_validate(raw)
+
+
+def _as_json(spec: AgentSpec, outcome: Outcome) -> Outcome:
+    """``outcome`` with its models in their JSON form: a result checked against the agent's
+    result model, call inputs given as models. A result that does not fit can never become
+    valid by retrying: an ``InvalidTransition``."""
+    if isinstance(outcome, Pause):
+        if not any(isinstance(call.input, BaseModel) for call in outcome.calls):
+            return outcome
+        calls = [
+            replace(call, input=call.input.model_dump(mode="json"))
+            if isinstance(call.input, BaseModel)
+            else call
+            for call in outcome.calls
+        ]
+        return replace(outcome, calls=calls)
+    value = outcome.result
+    model = spec.result_model
+    if model is not None and not isinstance(value, model):
+        try:
+            value = model.model_validate(value)
+        except ValidationError as error:
+            raise InvalidTransition(
+                f"handler {spec.name!r} returned a result that is not a valid "
+                f"{model.__name__}: {invalid_fields(error)}"
+            ) from error
+    if isinstance(value, BaseModel):
+        return Complete(value.model_dump(mode="json"))
+    return outcome
+
+
 def resume_context(spec: AgentSpec, state: TaskState) -> TaskContext:
     """What the handler of a resumed task sees: its input, saved state and the pause's results."""
     return TaskContext(
         task_id=state.task_id,
         agent=spec.name,
-        input=copy_json(state.input),
+        input=typed_input(spec, copy_json(state.input)),
         # a private copy: mutating it persists nothing and cannot disturb the delta
         state=MappingProxyType(copy_json(dict(state.state))),
         pause=state.pause,
@@ -77,16 +137,31 @@ class Flows:
     clock: Callable[[], float]
     faults: FaultPlan
     settler: Settler
+    threads: Executor | None = None
+    """Where plain ``def`` handlers run (None: the event loop's default executor)."""
 
     def default_timeout(self, spec: AgentSpec) -> float:
         return spec.default_timeout or self.settings.default_call_timeout
 
     async def run_handler(self, spec: AgentSpec, context: TaskContext) -> Outcome:
-        outcome = await spec.handler(context)
+        if spec.blocking:
+            outcome = await self._run_in_thread(spec, context)
+        else:
+            outcome = await spec.handler(context)  # type: ignore[misc]
         if not isinstance(outcome, (Complete, Pause)):
             raise InvalidTransition(
                 f"handler {spec.name!r} returned {type(outcome).__name__}, not Complete or Pause"
             )
+        return _as_json(spec, outcome)
+
+    async def _run_in_thread(self, spec: AgentSpec, context: TaskContext) -> Any:
+        """Run a plain ``def`` handler in the thread pool, with this task's log context. A thread
+        cannot be cancelled: a run given up on (at shutdown) finishes in its thread, unheard."""
+        run = functools.partial(contextvars.copy_context().run, spec.handler, context)
+        outcome = await asyncio.get_running_loop().run_in_executor(self.threads, run)
+        if inspect.isawaitable(outcome):
+            # a plain function that returns a coroutine (a lambda around one) is async after all
+            outcome = await outcome
         return outcome
 
     def out_of_attempts(self, delivery: Delivery) -> DeliveryLimitReached | None:

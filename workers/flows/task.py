@@ -3,7 +3,9 @@
 A task that completes without calling peers writes nothing (G10): its result is the only effect.
 A pause appends ``TaskStarted`` and ``TaskPaused`` in one statement, whose outbox rows are the
 peer requests (G5: published only after the checkpoint committed). A handler that raises is
-retried by redelivery up to the delivery limit, then recorded as failed.
+retried by redelivery up to the delivery limit, then recorded as failed. An input that does not
+fit the agent's input model is dead-lettered (``invalid-input``) before the handler runs, and its
+publisher told which field is wrong; nothing is recorded.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any
+
+from pydantic import ValidationError
 
 from events import Complete, Pause, TaskStarted, TaskState, VersionConflict, decide_outcome
 
@@ -26,7 +30,7 @@ from ..wire import (
     result_message,
     trace_id_of,
 )
-from .base import Flows
+from .base import Flows, invalid_fields, typed_input
 
 __all__ = ["handle_task"]
 
@@ -46,6 +50,14 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
         recorded = await flows.recorder.load(task_id)
         if recorded.exists:
             return await _already_recorded(flows, delivery, recorded)
+    try:
+        handler_input = typed_input(spec, payload)
+    except ValidationError as error:
+        return dead(
+            "invalid-input",
+            f"the input of {spec.name!r} is not a valid {error.title}: {invalid_fields(error)}",
+            tell_publisher=True,
+        )
     trace_id = trace_id_of(delivery.headers, task_id)
     root_id = str(delivery.headers.get(HEADER_ROOT) or task_id)
     state = TaskState(
@@ -64,7 +76,11 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
         correlation_id=delivery.correlation_id,
     )
     context = TaskContext(
-        task_id=task_id, agent=spec.name, input=payload, trace_id=trace_id, root_task_id=root_id
+        task_id=task_id,
+        agent=spec.name,
+        input=handler_input,
+        trace_id=trace_id,
+        root_task_id=root_id,
     )
     try:
         spent = flows.out_of_attempts(delivery)
