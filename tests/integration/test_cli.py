@@ -55,6 +55,7 @@ COMMANDS = [
     ("projections", "status"),
     ("projections", "rebuild"),
     ("db", "upgrade"),
+    ("schema",),
 ]
 
 
