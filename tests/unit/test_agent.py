@@ -1,0 +1,135 @@
+"""Registering agents: plain and async handlers, input and result models, and how a handler's
+outcome is put into JSON form."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import date
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, Field, ValidationError
+
+from events import Call, Complete, InvalidTransition, Outcome, Pause
+from workers.agent import App, TaskContext
+from workers.flows.base import Flows, invalid_fields, typed_input
+
+
+class Order(BaseModel):
+    item: str
+    quantity: int = Field(ge=1)
+
+
+class Receipt(BaseModel):
+    item: str
+    on: date
+
+
+def context(value: Any = None) -> TaskContext:
+    return TaskContext(task_id="t", agent="a", input=value)
+
+
+def flows(threads: ThreadPoolExecutor | None = None) -> Flows:
+    """Flows with only what ``run_handler`` uses."""
+    return Flows(*([None] * 9), threads)  # type: ignore[arg-type]
+
+
+def test_a_coroutine_function_is_async_and_a_plain_function_is_blocking() -> None:
+    app = App()
+
+    @app.agent("async")
+    async def asynchronous(task: TaskContext) -> Outcome:
+        return Complete()
+
+    @app.agent("plain")
+    def plain(task: TaskContext) -> Outcome:
+        return Complete()
+
+    class Callable:
+        async def __call__(self, task: TaskContext) -> Outcome:
+            return Complete()
+
+    app.agent("object")(Callable())
+    app.agent("partial")(functools.partial(asynchronous))
+    assert {name: spec.blocking for name, spec in app.agents.items()} == {
+        "async": False,
+        "plain": True,
+        "object": False,
+        "partial": False,
+    }
+    assert plain(context()) == Complete(), "the decorator returns the function itself"
+
+
+@pytest.mark.parametrize("given", [dict, Order(item="x", quantity=1), "Order"])
+def test_input_and_result_take_only_pydantic_models(given: Any) -> None:
+    app = App()
+    with pytest.raises(TypeError, match="takes a pydantic model"):
+        app.agent("a", input=given)
+    with pytest.raises(TypeError, match="takes a pydantic model"):
+        app.agent("a", result=given)
+
+
+def test_the_models_are_kept_on_the_spec() -> None:
+    app = App()
+    app.agent("shop", input=Order, result=Receipt)(lambda task: Complete())
+    spec = app["shop"]
+    assert (spec.input_model, spec.result_model) == (Order, Receipt)
+    assert app.agents["shop"].input_model is Order
+
+
+def test_an_invalid_input_names_every_wrong_field() -> None:
+    app = App()
+    app.agent("shop", input=Order)(lambda task: Complete())
+    assert typed_input(app["shop"], {"item": "x", "quantity": 2}) == Order(item="x", quantity=2)
+    with pytest.raises(ValidationError) as raised:
+        typed_input(app["shop"], {"quantity": 0})
+    assert invalid_fields(raised.value) == (
+        "item: Field required; quantity: Input should be greater than or equal to 1"
+    )
+    untyped = App()
+    untyped.agent("any")(lambda task: Complete())
+    assert typed_input(untyped["any"], [1]) == [1]
+
+
+def test_a_plain_handler_runs_in_the_pool_and_its_models_come_out_as_json() -> None:
+    app = App()
+    ran_in: list[str] = []
+
+    @app.agent("shop", input=Order, result=Receipt)
+    def shop(task: TaskContext) -> Outcome:
+        ran_in.append(threading.current_thread().name)
+        return Complete(Receipt(item=task.input.item, on=date(2026, 11, 23)))
+
+    @app.agent("fanout")
+    def fanout(task: TaskContext) -> Outcome:
+        return Pause([Call("shop", Order(item="y", quantity=3)), Call("shop", {"raw": 1})])
+
+    @app.agent("sloppy", result=Receipt)
+    async def sloppy(task: TaskContext) -> Outcome:
+        return Complete({"item": "z"})
+
+    @app.agent("dict-result", result=Receipt)
+    async def dict_result(task: TaskContext) -> Outcome:
+        return Complete({"item": "z", "on": "2026-11-23"})
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(1, thread_name_prefix="pool") as pool:
+            runner = flows(pool)
+            order = Order(item="x", quantity=1)
+            assert await runner.run_handler(app["shop"], context(order)) == Complete(
+                {"item": "x", "on": "2026-11-23"}
+            )
+            assert await runner.run_handler(app["fanout"], context()) == Pause(
+                [Call("shop", {"item": "y", "quantity": 3}), Call("shop", {"raw": 1})]
+            )
+            with pytest.raises(InvalidTransition, match="not a valid Receipt: on: Field required"):
+                await runner.run_handler(app["sloppy"], context())
+            assert await runner.run_handler(app["dict-result"], context()) == Complete(
+                {"item": "z", "on": "2026-11-23"}
+            )
+        assert ran_in == ["pool_0"]
+
+    asyncio.run(scenario())
