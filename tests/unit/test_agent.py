@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, ValidationError
 from events import Call, Complete, InvalidTransition, Outcome, Pause
 from workers.agent import App, TaskContext
 from workers.flows.base import Flows, invalid_fields, typed_input
+from workers.logs import current_context, log_context
 
 
 class Order(BaseModel):
@@ -97,10 +98,12 @@ def test_an_invalid_input_names_every_wrong_field() -> None:
 def test_a_plain_handler_runs_in_the_pool_and_its_models_come_out_as_json() -> None:
     app = App()
     ran_in: list[str] = []
+    logged_as: list[dict[str, str]] = []
 
     @app.agent("shop", input=Order, result=Receipt)
     def shop(task: TaskContext) -> Outcome:
         ran_in.append(threading.current_thread().name)
+        logged_as.append(current_context())
         return Complete(Receipt(item=task.input.item, on=date(2026, 11, 23)))
 
     @app.agent("fanout")
@@ -119,9 +122,10 @@ def test_a_plain_handler_runs_in_the_pool_and_its_models_come_out_as_json() -> N
         with ThreadPoolExecutor(1, thread_name_prefix="pool") as pool:
             runner = flows(pool)
             order = Order(item="x", quantity=1)
-            assert await runner.run_handler(app["shop"], context(order)) == Complete(
-                {"item": "x", "on": "2026-11-23"}
-            )
+            with log_context(task_id="t-1"):
+                assert await runner.run_handler(app["shop"], context(order)) == Complete(
+                    {"item": "x", "on": "2026-11-23"}
+                )
             assert await runner.run_handler(app["fanout"], context()) == Pause(
                 [Call("shop", {"item": "y", "quantity": 3}), Call("shop", {"raw": 1})]
             )
@@ -131,5 +135,6 @@ def test_a_plain_handler_runs_in_the_pool_and_its_models_come_out_as_json() -> N
                 {"item": "z", "on": "2026-11-23"}
             )
         assert ran_in == ["pool_0"]
+        assert logged_as == [{"task_id": "t-1"}], "the run logs with its task's context"
 
     asyncio.run(scenario())
