@@ -393,6 +393,12 @@ def test_schema_of_an_unknown_agent_exits_2_naming_the_agents_there_are(app_dir:
     assert "no agent 'nobody'" in shown.stderr and "splitter, untyped" in shown.stderr
 
 
+def test_schema_refuses_an_attribute_that_is_not_an_app(app_dir: Path) -> None:
+    shown = run_in(app_dir, "schema", "--app", "mymod:Question", "splitter")
+    assert shown.returncode == 2
+    assert "'mymod:Question' is a ModelMetaclass, not a waystation App" in shown.stderr
+
+
 def test_app_is_imported_from_the_current_directory_only(app_dir: Path, tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
