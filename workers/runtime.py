@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from events import EventStore, OutboxMessage, StoreUnavailable, parse_subtask_id
 from events.codec import dumps
 
+from . import tracing
 from .agent import AgentSpec, App
 from .broker import Broker, BrokerUnavailable, Delivery
 from .brokers.amqp import AmqpBroker
@@ -141,6 +142,7 @@ class Worker:
 
     async def start(self) -> None:
         """Connect, declare the topology, start consuming, sweeping and relaying."""
+        tracing.configure()
         await self.broker.connect()
         await self.broker.declare(self.names, self.app.agents)
         for name, spec in self.app.agents.items():
@@ -192,6 +194,7 @@ class Worker:
                 await task
         await self.outbox.stop(self.settings.shutdown_grace)
         await self.broker.close()
+        await asyncio.to_thread(tracing.shutdown)
         if self.settings.stats_file:
             await asyncio.to_thread(
                 _write_file, self.settings.stats_file, dumps(self.stats.to_json())
@@ -244,7 +247,7 @@ class Worker:
         self._idle.clear()
         started = time.perf_counter()
         try:
-            with log_context(**_context_of(delivery, kind)):
+            with log_context(**_context_of(delivery, kind)), tracing.consuming(delivery.headers):
                 settled = await self._process(delivery, spec, kind)
                 await asyncio.shield(self.settler.settle(delivery, settled))
                 label = kind_label(delivery, kind)

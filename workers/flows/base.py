@@ -20,6 +20,7 @@ from events import (
 )
 from events.codec import dumps, loads
 
+from .. import tracing
 from ..agent import AgentSpec, App, TaskContext
 from ..broker import Broker, Delivery
 from ..faults import FaultPlan
@@ -82,7 +83,8 @@ class Flows:
         return spec.default_timeout or self.settings.default_call_timeout
 
     async def run_handler(self, spec: AgentSpec, context: TaskContext) -> Outcome:
-        outcome = await spec.handler(context)
+        with tracing.run(context.task_id, spec.name, context.pause, context.trace_id):
+            outcome = await spec.handler(context)
         if not isinstance(outcome, (Complete, Pause)):
             raise InvalidTransition(
                 f"handler {spec.name!r} returned {type(outcome).__name__}, not Complete or Pause"
