@@ -317,7 +317,9 @@ def configure() -> bool:
     return _impl is not None
 
 
-def _build(wanted: list[str]) -> _Tracing | None:
+def _build(wanted: list[str], *, install: bool = True) -> _Tracing | None:
+    """A tracer provider exporting to ``wanted``; ``install`` makes it the process's own (so
+    that a handler's spans, through ``opentelemetry.trace.get_tracer``, nest in its run)."""
     from opentelemetry import trace
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -355,7 +357,8 @@ def _build(wanted: list[str]) -> _Tracing | None:
             provider.add_span_processor(SimpleSpanProcessor(memory))
         else:
             log.warning("OTEL_TRACES_EXPORTER: unknown exporter %r ignored", name)
-    trace.set_tracer_provider(provider)
+    if install:
+        trace.set_tracer_provider(provider)
     tracer = provider.get_tracer("waystation")
     return _Tracing(tracer, provider, memory, os.environ.get(TEST_SPANS_FILE))
 
