@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import contextvars
+import functools
 import hashlib
 import importlib
 import json
@@ -89,8 +90,10 @@ _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{
 # ---- ids: pure functions, used by workers.wire whether or not tracing is on --------------------
 
 
+@functools.lru_cache(maxsize=4096)
 def trace_hex(trace_id: str) -> str:
-    """The W3C trace id (32 hex digits) of a Waystation trace id."""
+    """The W3C trace id (32 hex digits) of a Waystation trace id (cached: every message of a
+    call tree asks for the same one)."""
     lowered = trace_id.strip().lower()
     if _HEX32.fullmatch(lowered) and lowered != "0" * 32:
         return lowered
