@@ -308,8 +308,8 @@ def configure() -> bool:
         _impl = _build(wanted)
     except ImportError as missing:
         log.warning(
-            "OTEL_TRACES_EXPORTER=%s but OpenTelemetry is not installed (%s): tracing is off; "
-            "install waystation[otel]",
+            "OTEL_TRACES_EXPORTER=%s but %s: tracing is off; install waystation[otel] (and, "
+            "for otlp, opentelemetry-exporter-otlp)",
             ",".join(wanted),
             missing,
         )
