@@ -3,6 +3,7 @@ of ``workers.tracing``, with the SDK's in-memory exporter in this process."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -201,3 +202,26 @@ def test_a_handler_that_raises_marks_its_run_failed(memory: Any) -> None:
     (run,) = memory.get_finished_spans()
     assert run.status.status_code.name == "ERROR"
     assert [event.name for event in run.events] == ["exception"]
+
+
+def test_without_the_extra_tracing_stays_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    # as if opentelemetry were not installed: the worker runs on, without spans
+    monkeypatch.setitem(sys.modules, "opentelemetry", None)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    monkeypatch.setattr(tracing, "_configured", False)
+    monkeypatch.setattr(tracing, "_impl", None)
+    assert tracing.configure() is False
+    assert not tracing.active()
+    assert tracing.configure() is False  # once per process
+
+
+def test_tracing_is_off_unless_an_exporter_is_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    for variables in ({}, {"OTEL_TRACES_EXPORTER": "none"}, {"OTEL_SDK_DISABLED": "true"}):
+        monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+        for name, value in {"OTEL_TRACES_EXPORTER": "console", **variables}.items():
+            monkeypatch.setenv(name, value)
+        if not variables:
+            monkeypatch.delenv("OTEL_TRACES_EXPORTER")
+        monkeypatch.setattr(tracing, "_configured", False)
+        monkeypatch.setattr(tracing, "_impl", None)
+        assert tracing.configure() is False, variables
