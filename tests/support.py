@@ -91,6 +91,16 @@ def penguiflow_capability() -> Capability:
     return Capability("PenguiFlow")
 
 
+def otel_capability() -> Capability:
+    """OpenTelemetry's SDK, the optional extra ``waystation[otel]`` (``scripts/bootstrap``
+    installs it with the test dependencies)."""
+    try:
+        import opentelemetry.sdk.trace  # noqa: F401
+    except ImportError as error:
+        return Capability("OpenTelemetry (pip install -e '.[otel]')", f"it is missing: {error}")
+    return Capability("OpenTelemetry")
+
+
 @dataclass(frozen=True)
 class Services:
     admin_database_url: str

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from events import DomainEvent
+from events import DomainEvent, TaskState
 
+from . import tracing
 from .metrics import Metrics
 
 __all__ = ["FINISHED", "Observer", "WorkerStats"]
@@ -88,13 +89,23 @@ class Observer:
 
     # ---- the log ------------------------------------------------------------------------------
 
-    def appended(self, agent: str | None, events: Sequence[DomainEvent]) -> None:
+    def appended(
+        self, agent: str | None, events: Sequence[DomainEvent], state: TaskState | None = None
+    ) -> None:
+        """``events`` were appended to the task ``state`` (its spans too, when tracing)."""
+        if state is not None:
+            tracing.recorded(state, events)
         self.stats.count("events_appended", len(events))
         for event in events:
             self.metrics.events_appended.labels(event.event_type).inc()
             status = FINISHED.get(event.event_type)
             if status is not None:
                 self.metrics.tasks_finished.labels(agent or "?", status).inc()
+
+    def completed_unrecorded(self, state: TaskState) -> None:
+        """A task completed without calls: answered, nothing recorded (G10)."""
+        self.stats.count("tasks_completed_unrecorded")
+        tracing.finished_unrecorded(state)
 
     def version_conflict(self) -> None:
         self.stats.count("version_conflicts")

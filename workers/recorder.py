@@ -414,7 +414,7 @@ class Recorder:
             # recorded before (a redelivery or a re-run): its messages are the relay's to publish
             self.observer.duplicate("duplicate_appends")
             return False
-        self.observer.appended(state.agent, events)
+        self.observer.appended(state.agent, events, state)
         self.faults.hit(f"{step}.committed")
         if messages:
             # committed, so the outbox holds them (G4): send now, and let their confirms arrive

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from events import EventStore, OutboxMessage, StoreUnavailable, parse_subtask_id
 from events.codec import dumps
 
+from . import tracing
 from .agent import AgentSpec, App
 from .broker import Broker, BrokerUnavailable, Delivery
 from .brokers.amqp import AmqpBroker
@@ -147,6 +148,7 @@ class Worker:
 
     async def start(self) -> None:
         """Connect, declare the topology, start consuming, sweeping and relaying."""
+        tracing.configure()
         await self.broker.connect()
         await self.broker.declare(self.names, self.app.agents)
         for name, spec in self.app.agents.items():
@@ -201,6 +203,7 @@ class Worker:
         # a plain handler still running after the grace period cannot be interrupted: its thread
         # finishes on its own, and its outcome is dropped (the message was not acked)
         self.threads.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(tracing.shutdown)
         if self.settings.stats_file:
             await asyncio.to_thread(
                 _write_file, self.settings.stats_file, dumps(self.stats.to_json())
@@ -253,7 +256,7 @@ class Worker:
         self._idle.clear()
         started = time.perf_counter()
         try:
-            with log_context(**_context_of(delivery, kind)):
+            with log_context(**_context_of(delivery, kind)), tracing.consuming(delivery.headers):
                 settled = await self._process(delivery, spec, kind)
                 await asyncio.shield(self.settler.settle(delivery, settled))
                 label = kind_label(delivery, kind)

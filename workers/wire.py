@@ -34,6 +34,8 @@ from events import (
 )
 from events.codec import dumps
 
+from . import tracing
+
 __all__ = [
     "CONTENT_TYPE",
     "HEADER_ATTEMPTS",
@@ -53,8 +55,11 @@ __all__ = [
 
 CONTENT_TYPE = "application/json"
 HEADER_TRACE = "x-waystation-trace-id"
-HEADER_TRACEPARENT = "traceparent"
-"""W3C Trace Context: a publisher that sends it (and no HEADER_TRACE) has its trace id used."""
+HEADER_TRACEPARENT = tracing.HEADER_TRACEPARENT
+"""W3C Trace Context: a publisher that sends it (and no HEADER_TRACE) has its trace id used, and
+its span is the parent of the task's first run. Every message a worker publishes carries one
+(``workers.tracing``), naming the step that sent it: a request its call, a result its task's
+outcome, a resume the resume."""
 HEADER_ROOT = "x-waystation-root-task"
 """The root task of a call tree; a peer request carries it so every event names its root."""
 
@@ -165,10 +170,13 @@ def trace_id_of(headers: Mapping[str, Any] | None, default: str) -> str:
     return default
 
 
-def _headers(state: TaskState) -> dict[str, Any]:
+def _headers(state: TaskState, step: str) -> dict[str, Any]:
+    """The headers of a message sent by the step ``step`` (a ``workers.tracing`` key) of the task
+    ``state``: its root, its trace and, as ``traceparent``, that step's span."""
     headers: dict[str, Any] = {HEADER_ROOT: state.root_id or state.task_id}
     if state.trace_id:
         headers[HEADER_TRACE] = state.trace_id
+        headers[HEADER_TRACEPARENT] = tracing.traceparent(state.trace_id, step)
     return headers
 
 
@@ -179,6 +187,11 @@ def result_message(
     envelope: ResultEnvelope,
     headers: dict[str, Any] | None = None,
 ) -> OutboxMessage:
+    """A task's result; with its trace in ``headers``, its ``traceparent`` is the outcome's span."""
+    headers = dict(headers or {})
+    trace_id = headers.get(HEADER_TRACE)
+    if isinstance(trace_id, str) and trace_id and HEADER_TRACEPARENT not in headers:
+        headers[HEADER_TRACEPARENT] = tracing.traceparent(trace_id, tracing.end_key(task_id))
     return OutboxMessage(
         message_id=f"{task_id}:result",
         routing_key=reply_to,
@@ -187,7 +200,7 @@ def result_message(
             "type": TYPE_RESULT,
             "correlation_id": correlation_id or task_id,
             "content_type": CONTENT_TYPE,
-            "headers": headers or {},
+            "headers": headers,
         },
     )
 
@@ -239,7 +252,7 @@ def implied_messages(
                             "correlation_id": call.subtask_id,
                             "reply_to": names.replies(agent),
                             "content_type": CONTENT_TYPE,
-                            "headers": _headers(state),
+                            "headers": _headers(state, tracing.call_key(call.subtask_id)),
                         },
                     )
                 )
@@ -252,7 +265,7 @@ def implied_messages(
                     properties={
                         "type": TYPE_RESUME,
                         "content_type": CONTENT_TYPE,
-                        "headers": _headers(state),
+                        "headers": _headers(state, tracing.resume_key(state.task_id, event.pause)),
                     },
                 )
             )
@@ -265,7 +278,7 @@ def implied_messages(
                         event.subtask_id,
                         agent_of[event.subtask_id],
                         "timeout",
-                        _headers(state),
+                        _headers(state, tracing.reply_key(event.subtask_id)),
                     )
                 )
         elif isinstance(event, TaskCancelled):
@@ -276,7 +289,7 @@ def implied_messages(
                         pending.subtask_id,
                         pending.agent,
                         event.reason or "cancelled",
-                        _headers(state),
+                        _headers(state, tracing.end_key(state.task_id)),
                     )
                 )
             if state.reply_to:
@@ -291,7 +304,7 @@ def implied_messages(
                         state.reply_to,
                         state.correlation_id,
                         envelope,
-                        _headers(state),
+                        _headers(state, tracing.end_key(state.task_id)),
                     )
                 )
         elif isinstance(event, (TaskCompleted, TaskFailed)) and state.reply_to:
@@ -302,7 +315,11 @@ def implied_messages(
             )
             messages.append(
                 result_message(
-                    state.task_id, state.reply_to, state.correlation_id, envelope, _headers(state)
+                    state.task_id,
+                    state.reply_to,
+                    state.correlation_id,
+                    envelope,
+                    _headers(state, tracing.end_key(state.task_id)),
                 )
             )
     return messages

@@ -26,6 +26,7 @@ from events import (
 )
 from events.codec import dumps, loads
 
+from .. import tracing
 from ..agent import AgentSpec, App, TaskContext
 from ..broker import Broker, Delivery
 from ..faults import FaultPlan
@@ -144,10 +145,11 @@ class Flows:
         return spec.default_timeout or self.settings.default_call_timeout
 
     async def run_handler(self, spec: AgentSpec, context: TaskContext) -> Outcome:
-        if spec.blocking:
-            outcome = await self._run_in_thread(spec, context)
-        else:
-            outcome = await spec.handler(context)  # type: ignore[misc]
+        with tracing.run(context.task_id, spec.name, context.pause, context.trace_id):
+            if spec.blocking:
+                outcome = await self._run_in_thread(spec, context)
+            else:
+                outcome = await spec.handler(context)  # type: ignore[misc]
         if not isinstance(outcome, (Complete, Pause)):
             raise InvalidTransition(
                 f"handler {spec.name!r} returned {type(outcome).__name__}, not Complete or Pause"

@@ -125,7 +125,7 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
                     {HEADER_ROOT: root_id, HEADER_TRACE: trace_id},
                 )
             )
-        flows.observer.count("tasks_completed_unrecorded")
+        flows.observer.completed_unrecorded(state)
         return ack()
     try:
         await flows.recorder.commit(

@@ -1,0 +1,227 @@
+"""Trace context on the wire (``traceparent`` on every message a worker publishes) and the spans
+of ``workers.tracing``, with the SDK's in-memory exporter in this process."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from events import (
+    PendingCall,
+    ResultRecorded,
+    SubtaskClaimed,
+    TaskCompleted,
+    TaskPaused,
+    TaskResumed,
+    TaskStarted,
+    TaskState,
+)
+from workers import tracing
+from workers.tracing import (
+    call_key,
+    end_key,
+    reply_key,
+    resume_key,
+    span_hex,
+    trace_hex,
+    traceparent,
+)
+from workers.wire import (
+    HEADER_TRACE,
+    HEADER_TRACEPARENT,
+    Names,
+    ResultEnvelope,
+    implied_messages,
+    result_message,
+    trace_id_of,
+)
+
+from ..support import otel_capability, require
+
+NAMES = Names("t.")
+HEX_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def _state(trace_id: str | None = "trace-1", **changes: Any) -> TaskState:
+    base: dict[str, Any] = {
+        "task_id": "task-1",
+        "version": 2,
+        "status": "running",
+        "agent": "boss",
+        "reply_to": "client.replies",
+        "correlation_id": "c-1",
+        "trace_id": trace_id,
+        "root_id": "task-1",
+    }
+    return TaskState(**{**base, **changes})
+
+
+def _paused(pause: int = 1, k: int = 2) -> TaskPaused:
+    calls = tuple(
+        PendingCall(subtask_id=f"task-1:{pause}:{i}", agent="peer", input={"i": i}, deadline_at=9e9)
+        for i in range(k)
+    )
+    return TaskPaused(pause=pause, state_delta={}, calls=calls)
+
+
+def test_trace_ids_map_onto_w3c_trace_ids() -> None:
+    assert trace_hex(HEX_TRACE) == HEX_TRACE
+    assert trace_hex(HEX_TRACE.upper()) == HEX_TRACE
+    hashed = trace_hex("some-task-id")
+    assert len(hashed) == 32 and int(hashed, 16) and hashed == trace_hex("some-task-id")
+    assert trace_hex("0" * 32) != "0" * 32
+    parent = traceparent("some-task-id", end_key("t"))
+    assert parent == f"00-{hashed}-{span_hex('some-task-id', end_key('t'))}-01"
+    # a consumer that reads only the traceparent finds the same trace
+    assert trace_id_of({HEADER_TRACEPARENT: traceparent(HEX_TRACE, "x")}, "d") == HEX_TRACE
+
+
+def test_every_message_an_append_implies_names_the_step_that_sent_it() -> None:
+    state = _state()
+    requests = implied_messages(NAMES, state, [_paused()])
+    assert [m.properties["headers"][HEADER_TRACEPARENT] for m in requests] == [
+        traceparent("trace-1", call_key(f"task-1:1:{i}")) for i in range(2)
+    ]
+    paused = _state(status="paused", pause=1, calls=_paused().calls)
+    last = [
+        SubtaskClaimed(subtask_id="task-1:1:1", pause=1, message_id="m"),
+        ResultRecorded(subtask_id="task-1:1:1", pause=1, outcome="ok", value=1),
+        TaskResumed(pause=1),
+    ]
+    (resume,) = implied_messages(NAMES, paused, last)
+    assert resume.properties["headers"][HEADER_TRACEPARENT] == traceparent(
+        "trace-1", resume_key("task-1", 1)
+    )
+    (result,) = implied_messages(NAMES, paused, [*last, TaskCompleted(result=3)])
+    assert result.properties["headers"][HEADER_TRACEPARENT] == traceparent(
+        "trace-1", end_key("task-1")
+    )
+    timeout = ResultRecorded(subtask_id="task-1:1:0", pause=1, outcome="timeout")
+    (cancel,) = implied_messages(NAMES, paused, [timeout])
+    assert cancel.properties["headers"][HEADER_TRACEPARENT] == traceparent(
+        "trace-1", reply_key("task-1:1:0")
+    )
+
+
+def test_a_result_answered_without_the_log_names_the_completion() -> None:
+    envelope = ResultEnvelope("ok", result=1, task_id="task-1")
+    message = result_message("task-1", "r", None, envelope, {HEADER_TRACE: "trace-1"})
+    assert message.properties["headers"][HEADER_TRACEPARENT] == traceparent(
+        "trace-1", end_key("task-1")
+    )
+    # no trace, no traceparent (what a task cancelled before it started answers)
+    assert HEADER_TRACEPARENT not in result_message("t", "r", None, envelope).properties["headers"]
+
+
+def test_hooks_are_no_ops_when_tracing_is_off() -> None:
+    assert not tracing.active()
+    assert tracing.run("t", "a", 0, None) is tracing.consuming({}) is tracing._NULL
+    tracing.recorded(_state(), [_paused()])  # nothing to do, nothing raised
+
+
+@pytest.fixture
+def memory(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    require(otel_capability(), "the spans")
+    impl = tracing._build(["waystation-test"], install=False)
+    assert impl is not None
+    monkeypatch.setattr(tracing, "_impl", impl)
+    yield impl.memory
+    impl.provider.shutdown()
+
+
+def _spans(memory: Any) -> dict[str, Any]:
+    return {span.name: span for span in memory.get_finished_spans()}
+
+
+def test_a_first_run_hangs_from_the_publishers_span_and_its_pause_from_the_run(
+    memory: Any,
+) -> None:
+    state = _state(trace_id=HEX_TRACE)
+    given = {HEADER_TRACEPARENT: f"00-{HEX_TRACE}-00f067aa0ba902b7-01"}
+    with tracing.consuming(given):
+        with tracing.run("task-1", "boss", 0, HEX_TRACE):
+            pass
+        tracing.recorded(state, [TaskStarted(agent="boss", input=None), _paused()])
+    spans = _spans(memory)
+    run, pause = spans["run boss"], spans["pause boss"]
+    assert f"{run.context.trace_id:032x}" == HEX_TRACE
+    assert run.parent.span_id == 0x00F067AA0BA902B7
+    assert pause.parent.span_id == run.context.span_id
+    assert pause.context.span_id == int(span_hex(HEX_TRACE, tracing.pause_key("task-1", 1)), 16)
+    calls = [s for s in memory.get_finished_spans() if s.name == "call peer"]
+    assert [c.context.span_id for c in calls] == [
+        int(span_hex(HEX_TRACE, call_key(f"task-1:1:{i}")), 16) for i in range(2)
+    ]
+    assert all(c.parent.span_id == pause.context.span_id for c in calls)
+
+
+def test_a_task_without_a_trace_of_its_own_is_a_root_in_its_tasks_trace(memory: Any) -> None:
+    state = _state(trace_id="task-1")
+    with tracing.consuming({}), tracing.run("task-1", "boss", 0, "task-1"):
+        pass
+    (run,) = memory.get_finished_spans()
+    assert run.parent is None
+    assert f"{run.context.trace_id:032x}" == trace_hex("task-1")
+    assert state.trace_id == "task-1"
+
+
+def test_a_resume_in_place_links_reply_resume_run_and_completion(memory: Any) -> None:
+    state = _state(status="paused", pause=1, calls=_paused().calls)
+    peer_done = span_hex("trace-1", end_key("task-1:1:1"))
+    with tracing.consuming({HEADER_TRACEPARENT: traceparent("trace-1", end_key("task-1:1:1"))}):
+        with tracing.run("task-1", "boss", 1, "trace-1"):
+            pass
+        tracing.recorded(
+            state,
+            [
+                SubtaskClaimed(subtask_id="task-1:1:1", pause=1, message_id="m"),
+                ResultRecorded(subtask_id="task-1:1:1", pause=1, outcome="ok", value=1),
+                TaskResumed(pause=1),
+                TaskCompleted(result=2),
+            ],
+        )
+    spans = _spans(memory)
+    reply, resume = spans["reply ok"], spans["resume boss"]
+    run, done = spans["run boss"], spans["complete boss"]
+    assert reply.parent.span_id == int(peer_done, 16)
+    assert [link.context.span_id for link in reply.links] == [
+        int(span_hex("trace-1", call_key("task-1:1:1")), 16)
+    ]
+    assert resume.parent.span_id == reply.context.span_id
+    assert run.parent.span_id == resume.context.span_id
+    assert done.parent.span_id == run.context.span_id
+    assert done.context.span_id == int(span_hex("trace-1", end_key("task-1")), 16)
+
+
+def test_a_handler_that_raises_marks_its_run_failed(memory: Any) -> None:
+    with pytest.raises(ValueError), tracing.consuming({}), tracing.run("t", "a", 0, "t"):
+        raise ValueError("boom")
+    (run,) = memory.get_finished_spans()
+    assert run.status.status_code.name == "ERROR"
+    assert [event.name for event in run.events] == ["exception"]
+
+
+def test_without_the_extra_tracing_stays_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    # as if opentelemetry were not installed: the worker runs on, without spans
+    monkeypatch.setitem(sys.modules, "opentelemetry", None)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    monkeypatch.setattr(tracing, "_configured", False)
+    monkeypatch.setattr(tracing, "_impl", None)
+    assert tracing.configure() is False
+    assert not tracing.active()
+    assert tracing.configure() is False  # once per process
+
+
+def test_tracing_is_off_unless_an_exporter_is_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    for variables in ({}, {"OTEL_TRACES_EXPORTER": "none"}, {"OTEL_SDK_DISABLED": "true"}):
+        monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+        for name, value in {"OTEL_TRACES_EXPORTER": "console", **variables}.items():
+            monkeypatch.setenv(name, value)
+        if not variables:
+            monkeypatch.delenv("OTEL_TRACES_EXPORTER")
+        monkeypatch.setattr(tracing, "_configured", False)
+        monkeypatch.setattr(tracing, "_impl", None)
+        assert tracing.configure() is False, variables
