@@ -26,6 +26,8 @@ from typing import Any
 
 from events import CallResult, Outcome
 
+from .policies import Backoff, PolicyError, check_retries, check_time_limit
+
 __all__ = ["AgentSpec", "App", "Handler", "TaskContext"]
 
 
@@ -59,6 +61,26 @@ class AgentSpec:
     handler: Handler
     default_timeout: float | None = None
     """Deadline of this agent's calls when a call sets none (else the global default)."""
+    retries: int | None = None
+    """Runs after the first when the handler raises (None: ``WAYSTATION_DELIVERY_LIMIT`` - 1)."""
+    backoff: Backoff = field(default_factory=Backoff)
+    """The wait before each retry, spent in the broker (``workers.policies``)."""
+    time_limit: float | None = None
+    """Seconds one run may take; a longer run is cancelled and counts as a failed attempt."""
+
+    def attempts(self, delivery_limit: int) -> int:
+        """Runs of the handler in all: the first and its retries."""
+        return (delivery_limit - 1 if self.retries is None else self.retries) + 1
+
+    def policy(self, delivery_limit: int) -> dict[str, Any]:
+        """The agent's policies as ``waystation agents --json`` shows them."""
+        return {
+            "agent": self.name,
+            "retries": self.attempts(delivery_limit) - 1,
+            "backoff": self.backoff.to_json(),
+            "time_limit": self.time_limit,
+            "default_call_timeout": self.default_timeout,
+        }
 
 
 class App:
@@ -68,16 +90,36 @@ class App:
         self._agents: dict[str, AgentSpec] = {}
 
     def agent(
-        self, name: str, *, default_timeout: float | None = None
+        self,
+        name: str,
+        *,
+        default_timeout: float | None = None,
+        retries: int | None = None,
+        backoff: Backoff | None = None,
+        time_limit: float | None = None,
     ) -> Callable[[Handler], Handler]:
-        """Register the decorated coroutine function as the handler of agent ``name``."""
+        """Register the decorated coroutine function as the handler of agent ``name``, with its
+        policies (``workers.policies``): ``retries`` after a raising run (default: the delivery
+        limit's), the ``backoff`` between them, and a ``time_limit`` per run. A policy that
+        cannot work raises :class:`~workers.policies.PolicyError` here, at import time."""
         if not name or any(ch.isspace() for ch in name):
             raise ValueError(f"agent names are non-empty and without spaces: {name!r}")
+        check_retries(retries)
+        check_time_limit(time_limit)
+        if backoff is not None and not isinstance(backoff, Backoff):
+            raise PolicyError(f"backoff must be a workers.Backoff, not {backoff!r}")
 
         def register(handler: Handler) -> Handler:
             if name in self._agents:
                 raise ValueError(f"agent {name!r} is already registered")
-            self._agents[name] = AgentSpec(name, handler, default_timeout)
+            self._agents[name] = AgentSpec(
+                name,
+                handler,
+                default_timeout,
+                retries=retries,
+                backoff=backoff or Backoff(),
+                time_limit=time_limit,
+            )
             return handler
 
         return register

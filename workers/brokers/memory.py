@@ -384,6 +384,22 @@ class InMemoryConnection(Broker):
         if not queues:
             raise Unroutable(message.message_id, message.routing_key)
 
+    async def publish_later(self, message: OutboxMessage, delay: float) -> None:
+        epoch = self._require_up()
+        await self._wait("publish")
+        if not self._up or self._epoch != epoch:
+            raise BrokerUnavailable(f"connection {self.name!r} dropped before the publish")
+        queues = self.broker.route(message.exchange, message.routing_key)
+        if not queues:
+            raise Unroutable(message.message_id, message.routing_key)
+        # kept by the broker while it waits (a wait queue), whatever happens to this connection
+        asyncio.get_running_loop().call_later(max(0.0, delay), self.broker.enqueue, queues, message)
+        if self.on_sent is not None:
+            self.on_sent(message)
+        await self._wait("confirm")
+        if not self._up or self._epoch != epoch:
+            raise BrokerUnavailable(f"connection {self.name!r} dropped before the confirm")
+
     def _owned(self, delivery: Delivery) -> tuple[_Consumer, int]:
         consumer, tag = delivery.handle
         if (

@@ -64,10 +64,12 @@ def run_projections() -> None:
 
 
 def _load_app(path: str) -> Any:
+    from ..policies import PolicyError
+
     module_name, _, attribute = path.partition(":")
     try:
         return getattr(importlib.import_module(module_name), attribute or "app")
-    except (ImportError, AttributeError) as error:
+    except (ImportError, AttributeError, PolicyError) as error:
         raise click.BadParameter(
             f"cannot load app {path!r}: {error}", param_hint="--app"
         ) from error
