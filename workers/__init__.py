@@ -7,12 +7,14 @@ from events import Call, CallResult, Complete, Outcome, Pause
 
 from .agent import AgentSpec, App, Handler, TaskContext
 from .client import Client, TaskResult
+from .policies import Backoff, Permanent, PolicyError, TimeLimitExceeded
 from .runtime import Worker
 from .settings import Settings
 
 __all__ = [
     "AgentSpec",
     "App",
+    "Backoff",
     "Call",
     "CallResult",
     "Client",
@@ -20,8 +22,11 @@ __all__ = [
     "Handler",
     "Outcome",
     "Pause",
+    "Permanent",
+    "PolicyError",
     "Settings",
     "TaskContext",
     "TaskResult",
+    "TimeLimitExceeded",
     "Worker",
 ]

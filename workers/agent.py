@@ -38,6 +38,8 @@ from pydantic import BaseModel
 
 from events import CallResult, Outcome
 
+from .policies import Backoff, PolicyError, check_retries, check_time_limit
+
 __all__ = ["AgentSpec", "App", "BlockingHandler", "Handler", "TaskContext"]
 
 
@@ -81,6 +83,26 @@ class AgentSpec:
     """What the input must be; the handler gets an instance of it as ``task.input``."""
     result_model: type[BaseModel] | None = None
     """What the result must be; it is sent as the model's JSON form."""
+    retries: int | None = None
+    """Runs after the first when the handler raises (None: ``WAYSTATION_DELIVERY_LIMIT`` - 1)."""
+    backoff: Backoff = field(default_factory=Backoff)
+    """The wait before each retry, spent in the broker (``workers.policies``)."""
+    time_limit: float | None = None
+    """Seconds one run may take; a longer run is cancelled and counts as a failed attempt."""
+
+    def attempts(self, delivery_limit: int) -> int:
+        """Runs of the handler in all: the first and its retries."""
+        return (delivery_limit - 1 if self.retries is None else self.retries) + 1
+
+    def policy(self, delivery_limit: int) -> dict[str, Any]:
+        """The agent's policies as ``waystation agents --json`` shows them."""
+        return {
+            "agent": self.name,
+            "retries": self.attempts(delivery_limit) - 1,
+            "backoff": self.backoff.to_json(),
+            "time_limit": self.time_limit,
+            "default_call_timeout": self.default_timeout,
+        }
 
 
 class App:
@@ -96,15 +118,25 @@ class App:
         default_timeout: float | None = None,
         input: type[BaseModel] | None = None,
         result: type[BaseModel] | None = None,
+        retries: int | None = None,
+        backoff: Backoff | None = None,
+        time_limit: float | None = None,
     ) -> Callable[[AnyHandler], AnyHandler]:
         """Register the decorated function as the handler of agent ``name``: a coroutine
         function, or a plain function (run in the worker's thread pool). ``input`` and
-        ``result`` are the pydantic models of its input and result, if it declares them."""
+        ``result`` are the pydantic models of its input and result, if it declares them. Its
+        policies (``workers.policies``): ``retries`` after a raising run (default: the delivery
+        limit's), the ``backoff`` between them, and a ``time_limit`` per run. A policy that
+        cannot work raises :class:`~workers.policies.PolicyError` here, at import time."""
         if not name or any(ch.isspace() for ch in name):
             raise ValueError(f"agent names are non-empty and without spaces: {name!r}")
         for role, model in (("input", input), ("result", result)):
             if model is not None and not (isinstance(model, type) and issubclass(model, BaseModel)):
                 raise TypeError(f"agent {name!r}: {role}= takes a pydantic model, not {model!r}")
+        check_retries(retries)
+        check_time_limit(time_limit)
+        if backoff is not None and not isinstance(backoff, Backoff):
+            raise PolicyError(f"backoff must be a workers.Backoff, not {backoff!r}")
 
         def register(handler: AnyHandler) -> AnyHandler:
             if name in self._agents:
@@ -116,6 +148,9 @@ class App:
                 blocking=not _is_async(handler),
                 input_model=input,
                 result_model=result,
+                retries=retries,
+                backoff=backoff or Backoff(),
+                time_limit=time_limit,
             )
             return handler
 

@@ -18,6 +18,9 @@ Contract (the shared suite in ``tests/contract/test_broker.py`` runs it against 
   :class:`PublishRefused` when the broker refused it, and :class:`BrokerUnavailable` when the
   connection went before the confirm came: then whether the message was kept is unknown (it may
   be delivered or not), so a caller that must not lose it keeps it elsewhere (the outbox).
+* ``publish_later(message, delay)`` is ``publish``, but the message reaches its queue only after
+  ``delay`` seconds or a little more (never sooner), waiting in the broker meanwhile (a wait queue
+  whose messages go on to their queue when their time is up): no worker holds it while it waits.
 * ``ack(delivery)`` forgets a delivery; ``requeue(delivery)`` returns it to its queue. Either
   raises :class:`BrokerUnavailable` when the delivery's channel is gone: the broker has already
   returned it to its queue and delivers it again, so the redelivery must be recognised (G1).
@@ -144,6 +147,10 @@ class Broker(abc.ABC):
     @abc.abstractmethod
     async def publish(self, message: OutboxMessage) -> None:
         """Publish ``message`` (persistent, mandatory) and wait for the broker's confirm."""
+
+    @abc.abstractmethod
+    async def publish_later(self, message: OutboxMessage, delay: float) -> None:
+        """Publish ``message`` to reach its queue after ``delay`` seconds (see the contract)."""
 
     async def publish_all(self, messages: Sequence[OutboxMessage]) -> list[BrokerError | None]:
         """Publish all of ``messages`` at once (their confirms awaited together); the error of

@@ -76,6 +76,8 @@ class Settled:
     """Send the rejection to the delivery's ``reply_to`` as an error result."""
     failed_runs: int = 0
     """For a retry: the runs of its handler that have failed so far, this one included."""
+    delay: float = 0.0
+    """For a retry: seconds it waits in the broker before it is delivered again."""
 
 
 def ack(checkpoint_started: float | None = None) -> Settled:
@@ -90,8 +92,8 @@ def dead(reason: str, detail: str, *, tell_publisher: bool = False) -> Settled:
     return Settled(Disposition.DEAD_LETTER, None, Rejection(reason, detail), tell_publisher)
 
 
-def retry(failed_runs: int) -> Settled:
-    return Settled(Disposition.RETRY, failed_runs=failed_runs)
+def retry(failed_runs: int, delay: float = 0.0) -> Settled:
+    return Settled(Disposition.RETRY, failed_runs=failed_runs, delay=delay)
 
 
 def crash_limit(delivery_limit: int) -> int:
@@ -173,7 +175,7 @@ class Settler:
             if settled.disposition is Disposition.ACK:
                 await self.broker.ack(delivery)
             elif settled.disposition is Disposition.RETRY:
-                if not await self._send_back(delivery, settled.failed_runs):
+                if not await self._send_back(delivery, settled.failed_runs, settled.delay):
                     await self.broker.requeue(delivery)
                     return
                 await self.broker.ack(delivery)
@@ -200,17 +202,22 @@ class Settler:
         )
         self.observer.settled(settled.disposition.value, checkpoint)
 
-    async def _send_back(self, delivery: Delivery, failed_runs: int) -> bool:
-        """Publish a copy of ``delivery`` to its own queue counting ``failed_runs``; False if
-        that failed (the delivery is then requeued, and the broker's count carries on)."""
+    async def _send_back(self, delivery: Delivery, failed_runs: int, delay: float = 0.0) -> bool:
+        """Publish a copy of ``delivery`` to its own queue counting ``failed_runs``, to arrive
+        after ``delay`` seconds (waiting in the broker, not here); False if that failed (the
+        delivery is then requeued at once, and the broker's count carries on)."""
         headers: dict[str, Any] = {
             key: value
             for key, value in delivery.headers.items()
             if key not in ("x-delivery-count", "x-acquired-count")
         }
         headers[HEADER_ATTEMPTS] = failed_runs
+        copy = _copy(delivery, delivery.queue, headers, exchange="")
         try:
-            await self.broker.publish(_copy(delivery, delivery.queue, headers, exchange=""))
+            if delay > 0:
+                await self.broker.publish_later(copy, delay)
+            else:
+                await self.broker.publish(copy)
         except BrokerError as error:
             log.warning("could not retry %s (%s); requeueing it", delivery.message_id, error)
             return False

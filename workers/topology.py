@@ -44,6 +44,20 @@ async def declare(channel: AbstractChannel, names: Names, agents: Iterable[str])
         await channel.declare_queue(names.replies(agent), durable=True, arguments=QUORUM)
 
 
+def wait_queue_arguments(milliseconds: int) -> FieldTable:
+    """A retry's wait queue: its messages expire after ``milliseconds`` and go, at least once, to
+    the default exchange with their own routing key (the queue they wait to return to). These
+    arguments take precedence over the deployment's policy, whose dead-letter exchange they
+    replace. At-least-once dead-lettering needs ``reject-publish`` overflow (RabbitMQ 3.10+)."""
+    return {
+        **QUORUM,
+        "x-message-ttl": milliseconds,
+        "x-dead-letter-exchange": "",
+        "x-dead-letter-strategy": "at-least-once",
+        "x-overflow": "reject-publish",
+    }
+
+
 def policy_definition(names: Names, delivery_limit: int) -> tuple[str, dict[str, object]]:
     """The policy's pattern and definition (also what compose's definitions file holds).
 

@@ -106,6 +106,11 @@ class Names:
     def policy_name(self) -> str:
         return f"{self.prefix}defaults"
 
+    def wait(self, milliseconds: int) -> str:
+        """The wait queue (and its exchange) where a retry spends ``milliseconds`` before it
+        returns to its queue (``workers.policies``)."""
+        return f"{self.prefix}retry-wait.{milliseconds}ms"
+
 
 STATUSES = ("ok", "error", "cancelled")
 

@@ -121,6 +121,29 @@ class BrokerContract:
         await broker.ack(delivery)
         inbox.hold.set()
 
+    async def test_a_message_published_later_waits_in_the_broker_then_arrives_whole(
+        self, backend: Backend
+    ) -> None:
+        broker = await backend.open()
+        await broker.declare(backend.names, [AGENT])
+        inbox = Inbox()
+        await broker.consume(backend.names.tasks(AGENT), inbox, prefetch=4)
+        loop = asyncio.get_running_loop()
+        sent_at = loop.time()
+        await broker.publish_later(message(backend.names, 7), 0.3)
+        await broker.publish(message(backend.names, 8))  # not held up behind it
+        first, later = await inbox.wait_for(2)
+        arrived = loop.time() - sent_at
+        assert (first.message_id, later.message_id) == ("m-8", "m-7")
+        assert arrived >= 0.3, f"a message due after 0.3 s arrived after {arrived:.3f} s"
+        assert later.queue == backend.names.tasks(AGENT) and later.body == b'{"n": 7}'
+        assert (later.correlation_id, later.type, later.headers["x-test"]) == ("c-7", "task", 7)
+        # no slot was held while it waited: it is a fresh delivery of the queue
+        assert (later.redelivered, later.broker_count) == (False, 0)
+        await broker.ack(first)
+        await broker.ack(later)
+        inbox.hold.set()
+
     async def test_declare_is_idempotent(self, backend: Backend) -> None:
         broker = await backend.open()
         await broker.declare(backend.names, [AGENT])

@@ -21,6 +21,7 @@ from urllib.parse import quote, unquote, urlparse
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractQueue
 
+from workers.policies import WAIT_STEPS_MS
 from workers.topology import apply_policy
 from workers.wire import Names
 
@@ -56,6 +57,12 @@ async def delete_topology(amqp_url: str, prefix: str, agents: Iterable[str]) -> 
         for queue in topology_queues(names, agents):
             await channel.queue_delete(queue)
         await channel.exchange_delete(names.dead_letter_exchange)
+        # the retries' wait queues a test's workers may have declared (workers.policies)
+        for step in WAIT_STEPS_MS:
+            if step > 60_000:
+                break
+            await channel.queue_delete(names.wait(step))
+            await channel.exchange_delete(names.wait(step))
     finally:
         await connection.close()
 

@@ -299,6 +299,20 @@ class FaultyBroker(Broker):
             )
         self.process.step("confirm.after")
 
+    async def publish_later(self, message: OutboxMessage, delay: float) -> None:
+        self.process.step("publish.before")
+        try:
+            await self.inner.publish_later(message, delay)
+        except BrokerUnavailable:
+            self.process.check()
+            raise
+        finally:
+            self.process.trace(
+                self.process.name,
+                f"publish {message.message_id} -> {message.routing_key} in {delay:.2f}s",
+            )
+        self.process.step("confirm.after")
+
     async def ack(self, delivery: Delivery) -> None:
         self.process.step("ack.before")
         await self.inner.ack(delivery)

@@ -436,7 +436,7 @@ class _World:
         for name, queue in self.broker.queues.items():
             if name != self.names.dead_letter_queue and queue.ready:
                 return False
-        if self.broker.unsettled():
+        if self.broker.unsettled() or self.broker.waiting:
             return False
         return self.store_quiet()
 

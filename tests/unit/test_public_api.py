@@ -64,6 +64,7 @@ EVENTS_API = [
 WORKERS_API = [
     "AgentSpec",
     "App",
+    "Backoff",
     "Call",
     "CallResult",
     "Client",
@@ -71,9 +72,12 @@ WORKERS_API = [
     "Handler",
     "Outcome",
     "Pause",
+    "Permanent",
+    "PolicyError",
     "Settings",
     "TaskContext",
     "TaskResult",
+    "TimeLimitExceeded",
     "Worker",
 ]
 

@@ -33,6 +33,7 @@ from ..broker import (
     PublishRefused,
     Unroutable,
 )
+from ..policies import wait_step
 from ..wire import Names
 
 __all__ = ["AmqpBroker", "delivery_of"]
@@ -101,6 +102,9 @@ class AmqpBroker(Broker):
         self._publishing: AbstractChannel | None = None
         self._consuming: AbstractChannel | None = None
         self._consumers: list[tuple[AbstractQueue, str]] = []
+        self._names: Names | None = None
+        self._waits: set[int] = set()
+        """The wait steps (ms) declared on this connection."""
 
     async def connect(self) -> None:
         try:
@@ -129,6 +133,7 @@ class AmqpBroker(Broker):
         return self._publishing
 
     async def declare(self, names: Names, agents: Iterable[str]) -> None:
+        self._names = names
         agents = list(agents)
         try:
             await topology.declare(self._channel(), names, agents)
@@ -166,6 +171,33 @@ class AmqpBroker(Broker):
         return len(self._consumers)
 
     async def publish(self, message: OutboxMessage) -> None:
+        await self._publish(message, message.exchange)
+
+    async def publish_later(self, message: OutboxMessage, delay: float) -> None:
+        """Through the wait queue of the delay's step (``workers.policies.wait_step``): a quorum
+        queue whose messages expire after the step and are dead-lettered, at least once, to the
+        default exchange with their own routing key, which is their queue. Declared on first
+        use; its exchange (fanout) keeps the routing key as it is."""
+        if self._names is None:
+            raise BrokerUnavailable("publish_later before declare: the deployment is not known")
+        step = wait_step(delay)
+        name = self._names.wait(step)
+        if step not in self._waits:
+            try:
+                channel = self._channel()
+                exchange = await channel.declare_exchange(
+                    name, aio_pika.ExchangeType.FANOUT, durable=True
+                )
+                queue = await channel.declare_queue(
+                    name, durable=True, arguments=topology.wait_queue_arguments(step)
+                )
+                await queue.bind(exchange)
+            except _UNAVAILABLE as error:
+                raise _translated(error) from error
+            self._waits.add(step)
+        await self._publish(message, name)
+
+    async def _publish(self, message: OutboxMessage, exchange_name: str) -> None:
         properties = message.properties
         try:
             publishing = self._channel()
@@ -176,7 +208,7 @@ class AmqpBroker(Broker):
             # measured share of the worker's CPU) to build these same properties
             await channel.basic_publish(
                 message.body,
-                exchange=message.exchange,
+                exchange=exchange_name,
                 routing_key=message.routing_key,
                 properties=aiormq.spec.Basic.Properties(
                     message_id=message.message_id or None,

@@ -118,6 +118,8 @@ class InMemoryBroker:
         self.duplicated = 0
         """Messages enqueued twice (``duplicate_rate``)."""
         self.returned = 0
+        self.waiting = 0
+        """Messages published for later that have not reached their queue yet (a wait queue)."""
         """Deliveries taken back unsettled because their connection dropped or was killed."""
         self.ledger: list[StoredMessage] = []
         """With ``keep_ledger``: every message the broker took, in order, with its fate."""
@@ -163,6 +165,17 @@ class InMemoryBroker:
         if exchange == "":
             return [routing_key] if routing_key in self.queues else []
         return [q for q in self._fanouts.get(exchange, []) if q in self.queues]
+
+    def enqueue_later(self, queues: Iterable[str], message: OutboxMessage, delay: float) -> None:
+        """``enqueue`` after ``delay`` seconds; meanwhile the message counts in ``waiting``."""
+        self.waiting += 1
+        queues = list(queues)
+
+        def arrive() -> None:
+            self.waiting -= 1
+            self.enqueue(queues, message)
+
+        asyncio.get_running_loop().call_later(max(0.0, delay), arrive)
 
     def enqueue(self, queues: Iterable[str], message: OutboxMessage) -> None:
         properties = {
@@ -383,6 +396,22 @@ class InMemoryConnection(Broker):
             raise BrokerUnavailable(f"connection {self.name!r} dropped before the confirm")
         if not queues:
             raise Unroutable(message.message_id, message.routing_key)
+
+    async def publish_later(self, message: OutboxMessage, delay: float) -> None:
+        epoch = self._require_up()
+        await self._wait("publish")
+        if not self._up or self._epoch != epoch:
+            raise BrokerUnavailable(f"connection {self.name!r} dropped before the publish")
+        queues = self.broker.route(message.exchange, message.routing_key)
+        if not queues:
+            raise Unroutable(message.message_id, message.routing_key)
+        # kept by the broker while it waits (a wait queue), whatever happens to this connection
+        self.broker.enqueue_later(queues, message, delay)
+        if self.on_sent is not None:
+            self.on_sent(message)
+        await self._wait("confirm")
+        if not self._up or self._epoch != epoch:
+            raise BrokerUnavailable(f"connection {self.name!r} dropped before the confirm")
 
     def _owned(self, delivery: Delivery) -> tuple[_Consumer, int]:
         consumer, tag = delivery.handle

@@ -5,6 +5,7 @@ and picks concrete backends. The work itself lives in the library. The commands 
 area, one module each:
 
 * :mod:`.serve`: the long-running processes, ``worker`` and ``projections run``;
+* :mod:`.agents`: ``agents``, each agent of an app with its policies;
 * :mod:`.tasks`: ``submit``, ``cancel``, ``dead-letters``, ``tasks`` and ``status``;
 * :mod:`.audit`: ``verify``, ``history``, ``export`` and ``state``;
 * :mod:`.admin`: ``db upgrade`` and the one-shot ``projections`` commands;
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import click
 
-from . import admin, audit, schema, serve, tasks
+from . import admin, agents, audit, schema, serve, tasks
 
 __all__ = ["main"]
 
@@ -55,6 +56,7 @@ def main(log_level: str, log_format: str) -> None:
 
 
 main.add_command(serve.worker)
+main.add_command(agents.agents)
 main.add_command(tasks.submit)
 main.add_command(tasks.cancel)
 main.add_command(tasks.dead_letters)

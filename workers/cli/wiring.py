@@ -46,13 +46,15 @@ def load_app(path: str) -> Any:
     its own directory on ``sys.path``, not the one it is run from."""
     import click
 
+    from ..policies import PolicyError
+
     here = os.getcwd()
     if here not in sys.path:
         sys.path.insert(0, here)
     module_name, _, attribute = path.partition(":")
     try:
         return getattr(importlib.import_module(module_name), attribute or "app")
-    except (ImportError, AttributeError) as error:
+    except (ImportError, AttributeError, PolicyError) as error:  # a policy that cannot work
         raise click.BadParameter(
             f"cannot load app {path!r}: {error}", param_hint="--app"
         ) from error

@@ -31,6 +31,7 @@ from ..agent import AgentSpec, App, TaskContext
 from ..broker import Broker, Delivery
 from ..faults import FaultPlan
 from ..observer import Observer
+from ..policies import Backoff, Permanent, TimeLimitExceeded
 from ..recorder import Cause, Recorder
 from ..settings import Settings
 from ..settle import Settled, Settler, attempt_of, crash_limit, dead, retry
@@ -144,12 +145,28 @@ class Flows:
     def default_timeout(self, spec: AgentSpec) -> float:
         return spec.default_timeout or self.settings.default_call_timeout
 
+    async def _invoke(self, spec: AgentSpec, context: TaskContext) -> Any:
+        """One run of the handler: a plain one in the thread pool (a time limit frees the
+        worker from waiting for it, but its thread runs on to its end), an async one here."""
+        if spec.blocking:
+            return await self._run_in_thread(spec, context)
+        return await spec.handler(context)  # type: ignore[misc]
+
     async def run_handler(self, spec: AgentSpec, context: TaskContext) -> Outcome:
         with tracing.run(context.task_id, spec.name, context.pause, context.trace_id):
-            if spec.blocking:
-                outcome = await self._run_in_thread(spec, context)
+            if spec.time_limit is None:
+                outcome = await self._invoke(spec, context)
             else:
-                outcome = await spec.handler(context)  # type: ignore[misc]
+                try:
+                    async with asyncio.timeout(spec.time_limit) as limit:
+                        outcome = await self._invoke(spec, context)
+                except TimeoutError:
+                    if not limit.expired():
+                        raise  # the handler's own timeout, not its time limit
+                    raise TimeLimitExceeded(
+                        f"the run took longer than {spec.name!r}'s time_limit of "
+                        f"{spec.time_limit:g}s"
+                    ) from None
         if not isinstance(outcome, (Complete, Pause)):
             raise InvalidTransition(
                 f"handler {spec.name!r} returned {type(outcome).__name__}, not Complete or Pause"
@@ -187,24 +204,33 @@ class Flows:
         error: Exception,
         *,
         start: TaskStarted | None = None,
+        spec: AgentSpec | None = None,
     ) -> Settled:
-        """Retry (a copy counting this failed run goes back to the queue), or, on the last
-        attempt (or for an outcome that can never be recorded), record the failure, answer the
-        publisher with an error (through the outbox) and dead-letter."""
+        """Retry (a copy counting this failed run goes back to the queue, after the agent's
+        backoff, waiting in the broker), or, on the last attempt (or for an error that trying
+        again cannot help: ``Permanent``, an outcome that can never be recorded), record the
+        failure, answer the publisher with an error (through the outbox) and dead-letter."""
         attempt = attempt_of(delivery)
-        limit = self.settings.delivery_limit
-        permanent = isinstance(error, (InvalidTransition, DeliveryLimitReached))
+        if spec is None and state.agent is not None:
+            spec = self.app.agents.get(state.agent)
+        limit = (
+            spec.attempts(self.settings.delivery_limit)
+            if spec is not None
+            else self.settings.delivery_limit
+        )
+        permanent = isinstance(error, (InvalidTransition, DeliveryLimitReached, Permanent))
         if not permanent and attempt < limit:
+            delay = (spec.backoff if spec is not None else Backoff()).delay(attempt)
             log.warning(
-                "task %s: handler raised %s (attempt %d of %d); retrying",
+                "task %s: handler raised %s (attempt %d of %d); retrying in %.2fs",
                 state.task_id,
                 error_of(error),
                 attempt,
                 limit,
+                delay,
             )
             self.observer.count("handler_retries")
-            await asyncio.sleep(min(0.2 * 2 ** (attempt - 1), 5.0))
-            return retry(attempt)
+            return retry(attempt, delay)
         failure = error_of(error)
         log.error(
             "task %s failed for good after %d attempt(s): %s", state.task_id, attempt, failure

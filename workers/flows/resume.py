@@ -41,7 +41,7 @@ async def handle_resume(flows: Flows, delivery: Delivery, spec: AgentSpec, body:
             raise spent
         outcome = await flows.run_handler(spec, resume_context(spec, state))
     except Exception as error:
-        return await flows.handler_failed(delivery, state, error)
+        return await flows.handler_failed(delivery, state, error, spec=spec)
     returned_at = time.perf_counter()
     async with recorder.locks.hold(task_id):
         for _ in range(MAX_CONFLICT_RETRIES):
@@ -72,4 +72,4 @@ async def handle_resume(flows: Flows, delivery: Delivery, spec: AgentSpec, body:
             return ack(returned_at if isinstance(outcome, Pause) else None)
         else:
             raise RuntimeError(f"resume of {task_id}: {MAX_CONFLICT_RETRIES} conflicts")
-    return await flows.handler_failed(delivery, state, break_error)
+    return await flows.handler_failed(delivery, state, break_error, spec=spec)

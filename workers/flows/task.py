@@ -102,7 +102,7 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
             max_timeout=flows.settings.max_call_duration,
         )
     except Exception as error:
-        return await flows.handler_failed(delivery, state, error, start=start)
+        return await flows.handler_failed(delivery, state, error, start=start, spec=spec)
     if not events:
         # completed without peers: nothing to record (G10); the answer is the only effect
         assert isinstance(outcome, Complete)

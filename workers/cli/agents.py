@@ -1,0 +1,54 @@
+"""``waystation agents``: each agent of an app with its policies."""
+
+from __future__ import annotations
+
+import click
+
+from events.codec import dumps
+
+from .wiring import load_app, load_settings
+
+__all__ = ["agents"]
+
+
+@click.command("agents")
+@click.option(
+    "--app",
+    "app_path",
+    default="workers.example:app",
+    show_default=True,
+    help="The app whose agents to list, as module:attribute.",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
+def agents(app_path: str, as_json: bool) -> None:
+    """List the agents of the app with their policies: retries (after the first run; the
+    default is WAYSTATION_DELIVERY_LIMIT - 1), the backoff between them (spent waiting in the
+    broker), the time limit of one run, and the default deadline of their calls. A policy that
+    cannot work fails here, as it does when a worker starts."""
+    from ..agent import App
+
+    app = load_app(app_path)  # a policy that cannot work: a usage error naming it
+    if not isinstance(app, App):
+        raise click.BadParameter(f"{app_path!r} is not a workers.App", param_hint="--app")
+    settings = load_settings()
+    rows = [spec.policy(settings.delivery_limit) for spec in app.agents.values()]
+    if as_json:
+        click.echo(dumps({"agents": rows}).decode())
+        return
+    header = ("agent", "retries", "backoff (initial×factor≤max ±jitter)", "time limit", "calls")
+    table = [header] + [
+        (
+            row["agent"],
+            str(row["retries"]),
+            "{initial:g}s×{factor:g}≤{maximum:g}s ±{jitter:.0%}".format(**row["backoff"]),
+            f"{row['time_limit']:g}s" if row["time_limit"] is not None else "none",
+            f"{row['default_call_timeout']:g}s"
+            if row["default_call_timeout"] is not None
+            else f"{settings.default_call_timeout:g}s (default)",
+        )
+        for row in rows
+    ]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    for line in table:
+        cells = (cell.ljust(width) for cell, width in zip(line, widths, strict=True))
+        click.echo("  ".join(cells).rstrip())
