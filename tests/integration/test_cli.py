@@ -56,6 +56,7 @@ COMMANDS = [
     ("projections", "rebuild"),
     ("db", "upgrade"),
     ("schema",),
+    ("agents",),
 ]
 
 

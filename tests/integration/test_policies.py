@@ -117,7 +117,8 @@ async def test_a_run_past_its_time_limit_is_retried_then_fails(
     recorded = runs(runs_file, result.task_id)
     assert len(recorded) == 2, recorded  # the first run and its one retry
     for started, ended, _ in recorded:
-        assert 1.0 <= ended - started < 30, "a run was not cut at its time limit"
+        # cut at its limit (1 s on the loop's clock; the wall clock may read a hair less)
+        assert 0.9 <= ended - started < 30, "a run was not cut at its time limit"
     # the failure is recorded before the message is settled (dead-lettered)
     assert await stream_types(store, result.task_id) == ["TaskStarted", "TaskFailed"]
     [dead] = await dead_letters(amqp_channel, Names(settings.queue_prefix), 1)
