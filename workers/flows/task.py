@@ -84,6 +84,7 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
             # settle which answer stands
             record_completion=flows.settings.audit_all_tasks or again,
             max_timeout=flows.settings.max_call_duration,
+            max_state_bytes=flows.settings.max_state_bytes,
         )
     except Exception as error:
         return await flows.handler_failed(delivery, state, error, start=start)
