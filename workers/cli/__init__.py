@@ -8,6 +8,7 @@ area, one module each:
 * :mod:`.tasks`: ``submit``, ``cancel``, ``dead-letters``, ``tasks`` and ``status``;
 * :mod:`.audit`: ``verify``, ``history``, ``export`` and ``state``;
 * :mod:`.admin`: ``db upgrade`` and the one-shot ``projections`` commands;
+* :mod:`.results`: ``result``;
 
 and :mod:`.wiring` builds what they share: the settings, the event loop, the backends.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import click
 
-from . import admin, audit, serve, tasks
+from . import admin, audit, results, serve, tasks
 
 __all__ = ["main"]
 
@@ -59,6 +60,7 @@ main.add_command(tasks.cancel)
 main.add_command(tasks.dead_letters)
 main.add_command(tasks.list_paused_tasks)
 main.add_command(tasks.status)
+main.add_command(results.result)
 main.add_command(audit.verify)
 main.add_command(audit.history)
 main.add_command(audit.export)
