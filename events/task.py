@@ -76,6 +76,10 @@ class InvalidTransition(Exception):
     """The input does not apply to the task in its current state (a caller's mistake)."""
 
 
+class StateTooLarge(InvalidTransition):
+    """A pause's update would make the agent's state larger than the limit it may have."""
+
+
 # ---- what a handler returns ------------------------------------------------------------------
 
 
@@ -345,12 +349,15 @@ def decide_outcome(
     start: TaskStarted | None = None,
     record_completion: bool = False,
     max_timeout: float | None = None,
+    max_state_bytes: int | None = None,
 ) -> list[DomainEvent]:
     """The events that record a handler's outcome.
 
     For a new task ``start`` describes it; a completion of a new task writes nothing unless
     ``record_completion`` (auditing of all tasks) is on. A resumed task records its next pause or
-    its completion. Deadlines are measured from ``now``, the moment of dispatch.
+    its completion. Deadlines are measured from ``now``, the moment of dispatch. A pause whose
+    state, once its update is applied, is larger than ``max_state_bytes`` (as canonical JSON) is
+    refused with :class:`StateTooLarge`.
     """
     if isinstance(outcome, Complete):
         _require_storable(outcome.result, "the result")
@@ -362,7 +369,12 @@ def decide_outcome(
         return [
             start,
             _pause(
-                state, outcome, now=now, default_timeout=default_timeout, max_timeout=max_timeout
+                state,
+                outcome,
+                now=now,
+                default_timeout=default_timeout,
+                max_timeout=max_timeout,
+                max_state_bytes=max_state_bytes,
             ),
         ]
     if state.status != "resumed":
@@ -370,7 +382,14 @@ def decide_outcome(
     if isinstance(outcome, Complete):
         return [TaskCompleted(result=outcome.result)]
     return [
-        _pause(state, outcome, now=now, default_timeout=default_timeout, max_timeout=max_timeout)
+        _pause(
+            state,
+            outcome,
+            now=now,
+            default_timeout=default_timeout,
+            max_timeout=max_timeout,
+            max_state_bytes=max_state_bytes,
+        )
     ]
 
 
@@ -381,6 +400,7 @@ def _pause(
     now: float,
     default_timeout: float,
     max_timeout: float | None = None,
+    max_state_bytes: int | None = None,
 ) -> TaskPaused:
     if not outcome.calls:
         raise InvalidTransition("a pause needs at least one call")
@@ -406,11 +426,22 @@ def _pause(
                 dispatched_at=now,
             )
         )
-    return TaskPaused(
-        pause=number,
-        state_delta=_minimal_delta(state.state, outcome.update),
-        calls=tuple(calls),
-    )
+    delta = _minimal_delta(state.state, outcome.update)
+    if max_state_bytes is not None and delta:
+        _require_state_fits(apply_delta(state.state, delta), max_state_bytes)
+    return TaskPaused(pause=number, state_delta=delta, calls=tuple(calls))
+
+
+def _require_state_fits(state: Mapping[str, Any], limit: int) -> None:
+    """The state a pause leaves is at most ``limit`` bytes as canonical JSON (what the log would
+    keep folding on every later decision): a larger one fails the task, it never grows the log."""
+    size = len(canonical(dict(state)))
+    if size > limit:
+        raise StateTooLarge(
+            f"the task's state would be {size} bytes, more than the {limit} allowed "
+            "(WAYSTATION_MAX_STATE_BYTES); keep large outputs outside the log and store a "
+            "pointer to them in the state"
+        )
 
 
 def decide_reply(

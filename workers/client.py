@@ -10,6 +10,10 @@ Its memory stays bounded however long it runs: it keeps the most recent ``keep_r
 (10,000 by default; an older one is forgotten, so ask for a result before that many others have
 arrived, and a repeat of a forgotten one counts as new), and forgets a task it was waiting for
 once every ``result()`` call waiting for it has timed out or been cancelled.
+
+A task it did not submit (or whose result it lost) can be asked for too: ``result(task_id,
+agent=...)`` and ``lookup(agent, task_id)`` send a ``query`` message, which a worker answers from
+the log (``workers.flows.query``); the client itself has no database.
 """
 
 from __future__ import annotations
@@ -32,9 +36,9 @@ from aiormq.abc import FieldValue
 
 from events.codec import dumps, loads
 
-from .wire import CONTENT_TYPE, HEADER_TRACE, TYPE_CANCEL, TYPE_TASK, Names
+from .wire import CONTENT_TYPE, HEADER_TRACE, TYPE_CANCEL, TYPE_QUERY, TYPE_TASK, Names
 
-__all__ = ["Client", "TaskResult"]
+__all__ = ["Client", "TaskLookup", "TaskResult"]
 
 REPLY_QUEUE_EXPIRES_MS = 30 * 60 * 1000
 KEEP_RESULTS = 10_000
@@ -52,6 +56,18 @@ class TaskResult:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+
+@dataclass(frozen=True, slots=True)
+class TaskLookup:
+    """What the log records about a task, as a worker answered a query."""
+
+    task_id: str
+    status: str
+    """``completed``, ``failed``, ``cancelled``, ``paused``, ``resumed``, or ``unknown``: not in
+    the log (not run yet, or completed without calling peers, which records nothing: G10)."""
+    result: TaskResult | None = None
+    """The recorded outcome once the task has finished."""
 
 
 class Client:
@@ -192,18 +208,90 @@ class Client:
             routing_key=self.names.tasks(agent),
             mandatory=True,
         )
-        answer = await self.result(request_id, timeout)
+        answer = await self._wait(request_id, timeout)
         if not answer.ok or not isinstance(answer.result, dict):
             raise RuntimeError(f"cancel of {task_id} failed: {answer.error}")
         return str(answer.result.get("status"))
 
-    async def result(self, task_id: str, timeout: float | None = None) -> TaskResult:
+    async def lookup(self, agent: str, task_id: str, *, timeout: float | None = 30.0) -> TaskLookup:
+        """Ask what the log records about ``task_id``: a ``query`` message to ``agent``'s queue
+        (any agent of the deployment will do: every worker reads the same log)."""
+        if self._channel is None or self._reply_queue is None:
+            raise RuntimeError("the client is not connected")
+        request_id = f"query:{task_id}:{uuid.uuid4()}"
+        await self._channel.default_exchange.publish(
+            aio_pika.Message(
+                dumps({"task_id": task_id}),
+                message_id=request_id,
+                correlation_id=request_id,
+                reply_to=self._reply_queue.name,
+                type=TYPE_QUERY,
+                content_type=CONTENT_TYPE,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            ),
+            routing_key=self.names.tasks(agent),
+            mandatory=True,
+        )
+        answer = await self._wait(request_id, timeout)
+        self._results.pop(request_id, None)
+        if not answer.ok or not isinstance(answer.result, dict):
+            raise RuntimeError(f"query of {task_id} failed: {answer.error}")
+        outcome = answer.result.get("outcome")
+        result = (
+            TaskResult(task_id, outcome["status"], outcome.get("result"), outcome.get("error"))
+            if isinstance(outcome, dict) and isinstance(outcome.get("status"), str)
+            else None
+        )
+        return TaskLookup(task_id, str(answer.result.get("status")), result)
+
+    async def result(
+        self,
+        task_id: str,
+        timeout: float | None = None,
+        *,
+        agent: str | None = None,
+        poll: float = 0.5,
+    ) -> TaskResult:
         """Wait for the result of ``task_id`` (``TimeoutError`` after ``timeout`` seconds).
 
         Any number of calls may wait for one task at once; each gets the result. When the last
         of them gives up, the client stops waiting for the task (a result arriving later is
         still kept, for a later call to find).
+
+        Without ``agent`` only a result sent to this client counts: a task it submitted. With
+        ``agent`` (the task's, or any agent of the deployment) it also asks the log, every
+        ``poll`` seconds (doubling up to 5) until the task has finished: the way to find the
+        result of a task another publisher submitted. A task that completed without calling
+        peers is not in the log (G10, unless ``WAYSTATION_AUDIT_ALL_TASKS``): only ``timeout``
+        ends that wait.
         """
+        if agent is None or task_id in self._results:
+            return await self._wait(task_id, timeout)
+        received = asyncio.ensure_future(self._wait(task_id, None))
+        asked = asyncio.ensure_future(self._ask_log(agent, task_id, poll))
+        try:
+            done, _ = await asyncio.wait(
+                {received, asked}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                raise TimeoutError(f"no result of {task_id} within {timeout}s")
+            return done.pop().result()
+        finally:
+            for waiting in (received, asked):
+                waiting.cancel()
+            await asyncio.gather(received, asked, return_exceptions=True)
+
+    async def _ask_log(self, agent: str, task_id: str, poll: float) -> TaskResult:
+        delay = poll
+        while True:
+            found = await self.lookup(agent, task_id, timeout=None)
+            if found.result is not None:
+                self._keep(found.result)
+                return found.result
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    async def _wait(self, task_id: str, timeout: float | None) -> TaskResult:
         if task_id in self._results:
             return self._results[task_id]
         waiter = self._waiters.get(task_id)
@@ -236,6 +324,14 @@ class Client:
             result = TaskResult(task_id, "error", error={"type": "MalformedResult"})
         if task_id in self._results:
             self.duplicates += 1
+            return
+        self._keep(result)
+
+    def _keep(self, result: TaskResult) -> None:
+        """Keep a result (the oldest kept is forgotten past ``keep_results``) and hand it to
+        whoever waits for it."""
+        task_id = result.task_id
+        if task_id in self._results:
             return
         self._results[task_id] = result
         self.results_received += 1

@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     """Bodies larger than this are dead-lettered as ``too-large``."""
     max_header_bytes: int = Field(default=64 * 1024, ge=1)
     """Headers larger than this (as JSON) are dead-lettered as ``headers-too-large``."""
+    max_state_bytes: int = Field(default=1024 * 1024, ge=1)
+    """Largest agent state (canonical JSON) a pause may leave: a ``Pause(update=...)`` past it
+    fails the task (``StateTooLarge``), without retries."""
     resume_in_place: bool = True
     """The worker that records a pause's last reply runs the resumed handler at once and appends
     its outcome with that reply (no resume message; DESIGN.md §8). Off: every resume travels as

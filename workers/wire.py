@@ -11,7 +11,8 @@ Queues (``P`` is the queue prefix, ``waystation.`` by default):
 * ``P dead-letter``     quorum queue behind the dead-letter exchange ``Pdlx`` (fanout)
 
 Message ``type`` property: on ``P<agent>``: ``task`` (default when absent), ``cancel``,
-``resume`` (internal); on ``P<agent>.replies``: ``result`` (default when absent), ``progress``.
+``resume`` (internal), ``query`` (what the log records about a task; ``workers.flows.query``);
+on ``P<agent>.replies``: ``result`` (default when absent), ``progress``.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ HEADER_QUEUE = "x-waystation-queue"
 TYPE_TASK = "task"
 TYPE_RESUME = "resume"
 TYPE_CANCEL = "cancel"
+TYPE_QUERY = "query"
 TYPE_RESULT = "result"
 TYPE_PROGRESS = "progress"
 

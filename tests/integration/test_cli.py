@@ -51,6 +51,7 @@ COMMANDS = [
     ("state",),
     ("tasks",),
     ("status",),
+    ("result",),
     ("projections", "run"),
     ("projections", "status"),
     ("projections", "rebuild"),

@@ -10,6 +10,7 @@ area, one module each:
 * :mod:`.audit`: ``verify``, ``history``, ``export`` and ``state``;
 * :mod:`.admin`: ``db upgrade`` and the one-shot ``projections`` commands;
 * :mod:`.schema`: ``schema``, the JSON Schema of an agent's input and result;
+* :mod:`.results`: ``result``;
 
 and :mod:`.wiring` builds what they share: the settings, the event loop, the backends.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import click
 
-from . import admin, agents, audit, schema, serve, tasks
+from . import admin, agents, audit, results, schema, serve, tasks
 
 __all__ = ["main"]
 
@@ -62,6 +63,7 @@ main.add_command(tasks.cancel)
 main.add_command(tasks.dead_letters)
 main.add_command(tasks.list_paused_tasks)
 main.add_command(tasks.status)
+main.add_command(results.result)
 main.add_command(audit.verify)
 main.add_command(audit.history)
 main.add_command(audit.export)

@@ -5,7 +5,8 @@ the worker settles it afterwards, so that no flow acks before its effect is dura
 
 What each queue takes (``workers.wire``):
 
-* ``P<agent>``: ``task`` (:mod:`.task`), ``resume`` (:mod:`.resume`), ``cancel`` (:mod:`.cancel`);
+* ``P<agent>``: ``task`` (:mod:`.task`), ``resume`` (:mod:`.resume`), ``cancel`` (:mod:`.cancel`),
+  ``query`` (:mod:`.query`);
 * ``P<agent>.replies``: ``result`` (:mod:`.reply`), ``progress`` (:mod:`.progress`).
 """
 
@@ -16,10 +17,18 @@ from typing import Any
 from ..agent import AgentSpec
 from ..broker import Delivery
 from ..settle import Settled, dead
-from ..wire import TYPE_CANCEL, TYPE_PROGRESS, TYPE_RESULT, TYPE_RESUME, TYPE_TASK
+from ..wire import (
+    TYPE_CANCEL,
+    TYPE_PROGRESS,
+    TYPE_QUERY,
+    TYPE_RESULT,
+    TYPE_RESUME,
+    TYPE_TASK,
+)
 from .base import Flows
 from .cancel import handle_cancel
 from .progress import handle_progress
+from .query import handle_query
 from .reply import handle_reply
 from .resume import handle_resume
 from .task import handle_task
@@ -27,7 +36,7 @@ from .task import handle_task
 __all__ = ["KINDS", "Flows", "dispatch", "kind_label"]
 
 KINDS = {
-    "tasks": frozenset({TYPE_TASK, TYPE_RESUME, TYPE_CANCEL}),
+    "tasks": frozenset({TYPE_TASK, TYPE_RESUME, TYPE_CANCEL, TYPE_QUERY}),
     "replies": frozenset({TYPE_RESULT, TYPE_PROGRESS}),
 }
 
@@ -57,6 +66,8 @@ async def dispatch(
             return await handle_resume(flows, delivery, spec, body)
         if message_type == TYPE_CANCEL:
             return await handle_cancel(flows, delivery, spec, body)
+        if message_type == TYPE_QUERY:
+            return await handle_query(flows, delivery, spec, body)
     # a publisher that set reply_to on the task queue asked for an answer (G9)
     return dead(
         "unknown-message-type",

@@ -176,6 +176,7 @@ async def _resume_in_place(
             now=flows.clock(),
             default_timeout=flows.default_timeout(spec),
             max_timeout=flows.settings.max_call_duration,
+            max_state_bytes=flows.settings.max_state_bytes,
         )
     except InvalidTransition as error:
         # an outcome that can never be recorded: retrying cannot help (as on the resume path)

@@ -32,7 +32,7 @@ from ..wire import (
 )
 from .base import Flows, invalid_fields, typed_input
 
-__all__ = ["handle_task"]
+__all__ = ["handle_task", "recorded_outcome"]
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,13 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
             "missing-property", "a task needs a message_id (its task id)", tell_publisher=True
         )
     again = delivery.redelivered or HEADER_ATTEMPTS in delivery.headers
-    if again:
+    root_id = str(delivery.headers.get(HEADER_ROOT) or task_id)
+    if again or root_id == task_id:
         # it may have been recorded already: by its first holder, or by the run a retry of
-        # its own came from (a worker that died between retrying and acking leaves both)
+        # its own came from (a worker that died between retrying and acking leaves both). And
+        # a task a publisher submitted (a root) may be a resend of one that already finished:
+        # it is answered from the log, not run again. (A call of another task skips this read:
+        # its caller sends each call once, and records a repeated answer as a duplicate.)
         recorded = await flows.recorder.load(task_id)
         if recorded.exists:
             return await _already_recorded(flows, delivery, recorded)
@@ -59,7 +63,6 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
             tell_publisher=True,
         )
     trace_id = trace_id_of(delivery.headers, task_id)
-    root_id = str(delivery.headers.get(HEADER_ROOT) or task_id)
     state = TaskState(
         task_id=task_id,
         agent=spec.name,
@@ -100,6 +103,7 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
             # settle which answer stands
             record_completion=flows.settings.audit_all_tasks or again,
             max_timeout=flows.settings.max_call_duration,
+            max_state_bytes=flows.settings.max_state_bytes,
         )
     except Exception as error:
         return await flows.handler_failed(delivery, state, error, start=start, spec=spec)
@@ -138,10 +142,53 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
 
 async def _already_recorded(flows: Flows, delivery: Delivery, state: TaskState) -> Settled:
     """The task's stream exists: another delivery recorded it first (its outbox answers the
-    publisher), or it was cancelled before its first run was recorded (answered here)."""
-    await flows.answer_cancelled_before_start(delivery, state)
+    publisher), it was cancelled before its first run was recorded, or it is a resend of a
+    task that finished; the last two are answered here, from the log."""
+    if _answer_from_log(delivery, state):
+        await flows.settler.answer(
+            result_message(
+                state.task_id,
+                delivery.reply_to or "",
+                delivery.correlation_id,
+                recorded_outcome(state),
+                {
+                    HEADER_ROOT: state.root_id or state.task_id,
+                    HEADER_TRACE: state.trace_id or trace_id_of(delivery.headers, state.task_id),
+                },
+            )
+        )
+        flows.observer.count("results_answered_from_log")
     log.info("task %s is already recorded (%s); acking", state.task_id, state.status)
     flows.observer.duplicate(
         "redelivered_recognised" if delivery.redelivered else "duplicate_tasks"
     )
     return ack()
+
+
+def recorded_outcome(state: TaskState) -> ResultEnvelope:
+    """The result message body a finished task's publisher got (``implied_messages``)."""
+    if state.status == "completed":
+        return ResultEnvelope("ok", result=state.result, task_id=state.task_id)
+    if state.status == "cancelled":
+        return ResultEnvelope("cancelled", error=state.error, task_id=state.task_id)
+    return ResultEnvelope("error", error=state.error, task_id=state.task_id)
+
+
+def _answer_from_log(delivery: Delivery, state: TaskState) -> bool:
+    """Whether ``delivery`` of a task the log holds gets its recorded outcome from here.
+
+    Only a finished task has one, and only a delivery with a ``reply_to`` asks. The log's own
+    outbox already answered the ``reply_to`` and ``correlation_id`` its ``TaskStarted`` names: a
+    redelivery or a retry of that message (or a repeated call of another task) is not answered
+    twice. A publisher's resend is answered, even to the same queue: it asked again.
+    """
+    if not state.finished or not delivery.reply_to:
+        return False
+    same_publisher = state.reply_to == delivery.reply_to and (
+        state.correlation_id or state.task_id
+    ) == (delivery.correlation_id or state.task_id)
+    if not same_publisher:
+        return True
+    again = delivery.redelivered or HEADER_ATTEMPTS in delivery.headers
+    root = str(delivery.headers.get(HEADER_ROOT) or state.task_id) == state.task_id
+    return root and not again
