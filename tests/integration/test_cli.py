@@ -216,3 +216,25 @@ async def test_alembic_itself_migrates_from_the_project_root(services: Services)
         assert version == heads[-1]
     finally:
         await migrations.drop_database(url)
+
+
+@pytest.mark.parametrize(
+    ("database", "says"),
+    [("missing", "does not exist"), ("unreachable", "Connection refused")],
+)
+@pytest.mark.parametrize("command", [("history", "some-task"), ("verify",), ("result", "t")])
+def test_a_command_that_cannot_use_the_event_log_says_so_in_one_line(
+    settings: Settings, database: str, says: str, command: tuple[str, ...]
+) -> None:
+    base = settings.database_url.rsplit("/", 1)[0]
+    url = (
+        f"{base}/waystation_no_such_database"
+        if database == "missing"
+        else "postgresql+asyncpg://postgres@127.0.0.1:1/waystation"
+    )
+    done = run_cli(settings.model_copy(update={"database_url": url}), *command)
+    assert done.returncode == 4, (done.returncode, done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("waystation: the event log cannot be used")
+    assert says in line and "WAYSTATION_DATABASE_URL" in line

@@ -60,13 +60,32 @@ def load_app(path: str) -> Any:
         ) from error
 
 
+EXIT_STORE = 4
+"""Exit code of a command that could not use the event log (its database is missing or down),
+distinct from every command's own codes (a problem found, not in the log, not finished)."""
+
+
 def run(coroutine: Coroutine[Any, Any, T]) -> T:
-    """Run a command's coroutine to completion, on uvloop where it is installed."""
+    """Run a command's coroutine to completion, on uvloop where it is installed. When the event
+    log cannot be used (the database does not exist, refuses us, or is down), say so in one line
+    naming the setting to check, and exit ``EXIT_STORE``, rather than with a traceback."""
+    from events.errors import EventStoreError
+
     try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coroutine)
-    return uvloop.run(coroutine)
+        try:
+            import uvloop
+        except ImportError:
+            return asyncio.run(coroutine)
+        return uvloop.run(coroutine)
+    except EventStoreError as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        print(
+            f"waystation: the event log cannot be used ({type(error).__name__}: {first}); "
+            "check WAYSTATION_DATABASE_URL and that PostgreSQL is running "
+            "(`waystation db upgrade` creates the database)",
+            file=sys.stderr,
+        )
+        sys.exit(EXIT_STORE)
 
 
 def open_store(settings: Settings) -> PostgresEventStore:
