@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
 import orjson
 
-from .codec import as_stored, canonical, chain_hash
+from .codec import as_stored, chain_hash
 from .model import NewEvent, RecordedEvent, hash_body
 
 __all__ = ["chain", "recorded_events"]
@@ -20,42 +20,24 @@ def chain(
     stream_id: str, expected_version: int, events: Sequence[NewEvent], prev_hash: bytes
 ) -> list[tuple[int, bytes, bytes]]:
     """``(version, prev_hash, hash)`` for each event of an append, in order."""
-    links = []
-    previous = prev_hash
-    for offset, event in enumerate(events, start=1):
-        version = expected_version + offset
-        digest = chain_hash(
-            previous,
-            hash_body(
-                stream_id,
-                version,
-                event.event_id,
-                event.event_type,
-                event.schema_version,
-                event.data,
-                event.metadata,
-            ),
-        )
-        links.append((version, previous, digest))
-        previous = digest
-    return links
+    return [
+        (e.stream_version, e.prev_hash, e.hash)
+        for e in recorded_events(stream_id, expected_version, events, prev_hash)
+    ]
 
 
-def _stored_hash(
-    prev_hash: bytes, body: dict[str, Any], original: Callable[[], dict[str, Any]]
-) -> bytes:
+def _stored_hash(prev_hash: bytes, body: dict[str, Any], original: dict[str, Any]) -> bytes:
     """``chain_hash(prev_hash, original)`` computed from ``body``, the same body with its data
     and metadata already in stored form (``as_stored``): their encoding is already canonical, so
-    it is not folded a second time. A value orjson cannot encode again (an integer beyond 64
-    bits, which the fold wrote as digits) takes the long way."""
+    it is not folded a second time. A number written with an exponent (a float of 1e16 or more
+    that came back as a float beyond 64 bits, which the fold writes as digits), or a value orjson
+    cannot encode again, takes the long way."""
     try:
         encoded = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
     except orjson.JSONEncodeError:
-        encoded = None
-    if encoded is None or _EXPONENT.search(encoded):
-        # a number with an exponent: a float of 1e16 or more that jsonb gave back as a float
-        # (beyond 64 bits), which the fold writes as digits; or a tiny one (folded as it is)
-        encoded = canonical(original())
+        return chain_hash(prev_hash, original)
+    if _EXPONENT.search(encoded):
+        return chain_hash(prev_hash, original)
     digest = hashlib.sha256(prev_hash)
     digest.update(encoded)
     return digest.digest()
@@ -84,27 +66,11 @@ def recorded_events(
     for offset, event in enumerate(events, start=1):
         version = expected_version + offset
         data, metadata = as_stored(event.data), as_stored(event.metadata)
-        body = hash_body(
-            stream_id,
-            version,
-            event.event_id,
-            event.event_type,
-            event.schema_version,
-            data,
-            metadata,
-        )
+        identity = (stream_id, version, event.event_id, event.event_type, event.schema_version)
         digest = _stored_hash(
             previous,
-            body,
-            lambda event=event, version=version: hash_body(  # type: ignore[misc]
-                stream_id,
-                version,
-                event.event_id,
-                event.event_type,
-                event.schema_version,
-                event.data,
-                event.metadata,
-            ),
+            hash_body(*identity, data, metadata),
+            hash_body(*identity, event.data, event.metadata),
         )
         recorded.append(
             RecordedEvent(

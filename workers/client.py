@@ -178,6 +178,32 @@ class Client:
         )
         return task_id
 
+    async def _request(
+        self, kind: str, agent: str, body: dict[str, Any], timeout: float | None
+    ) -> TaskResult:
+        """Publish a ``kind`` request about ``body["task_id"]`` to ``agent``'s queue and wait for
+        the worker's answer on this client's reply queue."""
+        if self._channel is None or self._reply_queue is None:
+            raise RuntimeError("the client is not connected")
+        request_id = f"{kind}:{body['task_id']}:{uuid.uuid4()}"
+        await self._channel.default_exchange.publish(
+            aio_pika.Message(
+                dumps(body),
+                message_id=request_id,
+                correlation_id=request_id,
+                reply_to=self._reply_queue.name,
+                type=kind,
+                content_type=CONTENT_TYPE,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            ),
+            routing_key=self.names.tasks(agent),
+            mandatory=True,
+        )
+        try:
+            return await self._wait(request_id, timeout)
+        finally:
+            self._results.pop(request_id, None)
+
     async def cancel(
         self,
         agent: str,
@@ -192,23 +218,9 @@ class Client:
         The task's own publisher receives a ``cancelled`` result, and every peer call it was
         waiting for is cancelled too.
         """
-        if self._channel is None or self._reply_queue is None:
-            raise RuntimeError("the client is not connected")
-        request_id = f"cancel:{task_id}:{uuid.uuid4()}"
-        await self._channel.default_exchange.publish(
-            aio_pika.Message(
-                dumps({"task_id": task_id, "reason": reason}),
-                message_id=request_id,
-                correlation_id=request_id,
-                reply_to=self._reply_queue.name,
-                type=TYPE_CANCEL,
-                content_type=CONTENT_TYPE,
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            ),
-            routing_key=self.names.tasks(agent),
-            mandatory=True,
+        answer = await self._request(
+            TYPE_CANCEL, agent, {"task_id": task_id, "reason": reason}, timeout
         )
-        answer = await self._wait(request_id, timeout)
         if not answer.ok or not isinstance(answer.result, dict):
             raise RuntimeError(f"cancel of {task_id} failed: {answer.error}")
         return str(answer.result.get("status"))
@@ -216,24 +228,7 @@ class Client:
     async def lookup(self, agent: str, task_id: str, *, timeout: float | None = 30.0) -> TaskLookup:
         """Ask what the log records about ``task_id``: a ``query`` message to ``agent``'s queue
         (any agent of the deployment will do: every worker reads the same log)."""
-        if self._channel is None or self._reply_queue is None:
-            raise RuntimeError("the client is not connected")
-        request_id = f"query:{task_id}:{uuid.uuid4()}"
-        await self._channel.default_exchange.publish(
-            aio_pika.Message(
-                dumps({"task_id": task_id}),
-                message_id=request_id,
-                correlation_id=request_id,
-                reply_to=self._reply_queue.name,
-                type=TYPE_QUERY,
-                content_type=CONTENT_TYPE,
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            ),
-            routing_key=self.names.tasks(agent),
-            mandatory=True,
-        )
-        answer = await self._wait(request_id, timeout)
-        self._results.pop(request_id, None)
+        answer = await self._request(TYPE_QUERY, agent, {"task_id": task_id}, timeout)
         if not answer.ok or not isinstance(answer.result, dict):
             raise RuntimeError(f"query of {task_id} failed: {answer.error}")
         outcome = answer.result.get("outcome")

@@ -307,19 +307,37 @@ class WaystationStateStore:
             latest[event.data["task_id"]] = decode_value(event.data["state"])
         return [_task_state(TaskStateModel.model_validate(data)) for data in latest.values()]
 
-    @_never_raises(lambda: None)
-    async def save_update(self, update: StateUpdate) -> None:
-        stream = stream_name("session", update.session_id, "updates")
+    async def _save_in_session(
+        self, kind: str, event_type: str, record: Any, record_id: str, task_id: str
+    ) -> None:
+        """A record of a session's ``kind`` stream, idempotent by ``record_id``."""
+        stream = stream_name("session", record.session_id, kind)
         event = self._log.new_event(
-            derived_id(stream, "update", update.update_id),
-            "penguiflow.UpdateSaved",
-            {
-                "id": update.update_id,
-                "task_id": update.task_id,
-                "update": encode_value(_dump(update)),
-            },
+            derived_id(stream, kind, record_id),
+            event_type,
+            {"id": record_id, "task_id": task_id, "record": encode_value(_dump(record))},
         )
         await self._log.record(stream, event)
+
+    async def _list_in_session(
+        self,
+        kind: str,
+        model: type[T],
+        session_id: str,
+        task_id: str | None,
+        since_id: str | None,
+        limit: int,
+    ) -> list[T]:
+        found = _page(
+            await self._read(stream_name("session", session_id, kind)), task_id, since_id, limit
+        )
+        return [model.model_validate(decode_value(e.data["record"])) for e in found]  # type: ignore[attr-defined]
+
+    @_never_raises(lambda: None)
+    async def save_update(self, update: StateUpdate) -> None:
+        await self._save_in_session(
+            "updates", "penguiflow.UpdateSaved", update, update.update_id, update.task_id
+        )
 
     @_never_raises(list)
     async def list_updates(
@@ -330,44 +348,22 @@ class WaystationStateStore:
         since_id: str | None = None,
         limit: int = 500,
     ) -> Sequence[StateUpdate]:
-        found = _page(
-            await self._read(stream_name("session", session_id, "updates")),
-            task_id,
-            since_id,
-            limit,
+        return await self._list_in_session(
+            "updates", StateUpdate, session_id, task_id, since_id, limit
         )
-        return [StateUpdate.model_validate(decode_value(e.data["update"])) for e in found]
 
     # compatibility names PenguiFlow's adapters fall back to (state/adapters.py)
-    async def save_task_update(self, update: StateUpdate) -> None:
-        await self.save_update(update)
-
-    async def list_task_updates(
-        self,
-        session_id: str,
-        *,
-        task_id: str | None = None,
-        since_id: str | None = None,
-        limit: int = 500,
-    ) -> Sequence[StateUpdate]:
-        return await self.list_updates(session_id, task_id=task_id, since_id=since_id, limit=limit)
+    save_task_update = save_update
+    list_task_updates = list_updates
 
     # ---- steering ----
 
     @_never_raises(lambda: None)
     async def save_steering(self, event: SteeringEvent) -> None:
         sanitized = sanitize_steering_event(event)  # untrusted input: stored only once clamped
-        stream = stream_name("session", event.session_id, "steering")
-        record = self._log.new_event(
-            derived_id(stream, "steering", event.event_id),
-            "penguiflow.SteeringSaved",
-            {
-                "id": event.event_id,
-                "task_id": event.task_id,
-                "event": encode_value(_dump(sanitized)),
-            },
+        await self._save_in_session(
+            "steering", "penguiflow.SteeringSaved", sanitized, event.event_id, event.task_id
         )
-        await self._log.record(stream, record)
 
     @_never_raises(list)
     async def list_steering(
@@ -378,13 +374,9 @@ class WaystationStateStore:
         since_id: str | None = None,
         limit: int = 500,
     ) -> Sequence[SteeringEvent]:
-        found = _page(
-            await self._read(stream_name("session", session_id, "steering")),
-            task_id,
-            since_id,
-            limit,
+        return await self._list_in_session(
+            "steering", SteeringEvent, session_id, task_id, since_id, limit
         )
-        return [SteeringEvent.model_validate(decode_value(e.data["event"])) for e in found]
 
     # ---- trajectories ----
 
