@@ -81,6 +81,7 @@ class Worker:
             connection_name=f"waystation worker {settings.worker_id}",
             delivery_limit=settings.delivery_limit,
             policy=settings.broker_policy,
+            management_url=settings.management_url,
         )
         self.observer = Observer(metrics)
         faults = faults or FaultPlan(settings.fault_point, settings.fault_after)

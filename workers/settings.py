@@ -55,9 +55,13 @@ class Settings(BaseSettings):
     """Attempts of a task whose handler raises: after this many the task is recorded as failed,
     its publisher gets an error and the message is dead-lettered. Also the broker's policy
     ``delivery-limit``, which dead-letters a message that keeps killing its workers."""
-    broker_policy: Literal["auto", "rabbitmqctl", "none"] = "auto"
-    """How the worker applies the queue policy: ``rabbitmqctl`` on this host, or ``none`` when
-    the broker's definitions set it (compose). ``auto`` uses rabbitmqctl when it is installed."""
+    broker_policy: Literal["auto", "rabbitmqctl", "management", "none"] = "auto"
+    """How the worker applies the queue policy: ``rabbitmqctl`` on this host, ``management``
+    through RabbitMQ's management API (compose), or ``none`` when the broker's definitions set
+    it. ``auto`` uses rabbitmqctl when it is installed."""
+    management_url: str | None = None
+    """RabbitMQ's management API, for ``broker_policy=management``. Unset: the AMQP URL's host
+    on port 15672, with the AMQP URL's user and password."""
     outbox_delay: float = Field(default=5.0, gt=0)
     """Seconds before the outbox relay republishes a message its writer has not published."""
     outbox_poll_interval: float = Field(default=1.0, gt=0)

@@ -10,12 +10,15 @@ dead-letter queue itself.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import re
 import shutil
 from collections.abc import Iterable
+from urllib.parse import quote
 
 import aio_pika
+import aiohttp
 from aio_pika.abc import AbstractChannel
 from aiormq.abc import FieldTable
 from yarl import URL
@@ -25,7 +28,14 @@ from events.codec import dumps
 from .settle import crash_limit
 from .wire import Names
 
-__all__ = ["apply_policy", "clear_policy", "declare", "policy_definition", "vhost_of"]
+__all__ = [
+    "apply_policy",
+    "clear_policy",
+    "declare",
+    "management_url_of",
+    "policy_definition",
+    "vhost_of",
+]
 
 log = logging.getLogger(__name__)
 
@@ -87,25 +97,78 @@ def vhost_of(amqp_url: str) -> str:
     return URL(amqp_url).path.removeprefix("/") or "/"
 
 
+def management_url_of(amqp_url: str) -> str:
+    """RabbitMQ's management API on the broker an AMQP URL names: its host, port 15672, and the
+    URL's user and password (RabbitMQ's defaults, guest/guest, when it has none)."""
+    url = URL(amqp_url)
+    return str(
+        URL.build(
+            scheme="http",
+            user=url.user or "guest",
+            password=url.password or "guest",
+            host=url.host or "127.0.0.1",
+            port=15672,
+        )
+    )
+
+
+async def _put_policy(
+    management_url: str, vhost: str, name: str, pattern: str, definition: dict[str, object]
+) -> None:
+    """Set a policy through the management HTTP API (what ``rabbitmqctl set_policy`` does)."""
+    base = URL(management_url)
+    endpoint = f"{base.with_user(None).with_path('')}/api/policies/{quote(vhost, safe='')}/"
+    body = {"pattern": pattern, "definition": definition, "priority": 0, "apply-to": "queues"}
+    credentials = f"{base.user or 'guest'}:{base.password or 'guest'}".encode()
+    headers = {"Authorization": f"Basic {base64.b64encode(credentials).decode()}"}
+    timeout = aiohttp.ClientTimeout(total=30)
+    try:
+        async with (
+            aiohttp.ClientSession(headers=headers, timeout=timeout) as session,
+            session.put(endpoint + quote(name, safe=""), json=body) as response,
+        ):
+            if response.status >= 300:
+                raise RuntimeError(
+                    f"the management API refused the policy {name!r} "
+                    f"({response.status}: {(await response.text()).strip()})"
+                )
+    except aiohttp.ClientError as error:
+        raise RuntimeError(
+            f"cannot reach RabbitMQ's management API at {base.with_user(None)} to set the "
+            f"policy {name!r}: {error}"
+        ) from error
+
+
 async def apply_policy(
-    names: Names, delivery_limit: int, mode: str = "auto", *, vhost: str = "/"
+    names: Names,
+    delivery_limit: int,
+    mode: str = "auto",
+    *,
+    vhost: str = "/",
+    management_url: str | None = None,
 ) -> bool:
     """Apply the queue policy in ``vhost``; True when applied, False when left to the broker's
-    definitions."""
+    definitions. ``management``: through the management API at ``management_url``;
+    ``rabbitmqctl``: with rabbitmqctl on this host; ``auto``: rabbitmqctl when installed."""
     if mode == "none":
         return False
+    pattern, definition = policy_definition(names, delivery_limit)
+    if mode == "management":
+        if management_url is None:
+            raise ValueError("WAYSTATION_BROKER_POLICY=management needs a management API URL")
+        await _put_policy(management_url, vhost, names.policy_name, pattern, definition)
+        return True
     if shutil.which("rabbitmqctl") is None:
         if mode == "rabbitmqctl":
             raise RuntimeError(
                 "WAYSTATION_BROKER_POLICY=rabbitmqctl but rabbitmqctl is not installed"
             )
         log.warning(
-            "rabbitmqctl not found: the delivery-limit policy %r is not applied here; "
-            "set it in the broker's definitions (see compose/)",
+            "rabbitmqctl not found: the delivery-limit policy %r is not applied here; set "
+            "WAYSTATION_BROKER_POLICY=management, or set it in the broker's definitions",
             names.policy_name,
         )
         return False
-    pattern, definition = policy_definition(names, delivery_limit)
     await _rabbitmqctl(
         "set_policy",
         "-p",

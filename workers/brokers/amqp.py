@@ -82,8 +82,9 @@ def _translated(error: BaseException) -> BrokerError:
 class AmqpBroker(Broker):
     """The port on a RabbitMQ broker at ``url``.
 
-    ``delivery_limit`` and ``policy`` (``auto``, ``rabbitmqctl`` or ``none``) say how
-    :meth:`declare` applies the deployment's queue policy (``workers.topology``).
+    ``delivery_limit``, ``policy`` (``auto``, ``rabbitmqctl``, ``management`` or ``none``) and
+    ``management_url`` (default: derived from ``url``) say how :meth:`declare` applies the
+    deployment's queue policy (``workers.topology``).
     """
 
     def __init__(
@@ -93,8 +94,10 @@ class AmqpBroker(Broker):
         connection_name: str = "waystation worker",
         delivery_limit: int = 5,
         policy: str = "none",
+        management_url: str | None = None,
     ) -> None:
         self.url = url
+        self._management_url = management_url or topology.management_url_of(url)
         self.connection_name = connection_name
         self._delivery_limit = delivery_limit
         self._policy = policy
@@ -140,7 +143,11 @@ class AmqpBroker(Broker):
         except _UNAVAILABLE as error:
             raise _translated(error) from error
         await topology.apply_policy(
-            names, self._delivery_limit, self._policy, vhost=topology.vhost_of(self.url)
+            names,
+            self._delivery_limit,
+            self._policy,
+            vhost=topology.vhost_of(self.url),
+            management_url=self._management_url,
         )
 
     async def consume(self, queue: str, handler: DeliveryHandler, *, prefetch: int) -> None:
