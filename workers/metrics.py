@@ -11,7 +11,7 @@ answers from the live connections, not from a thread's guess:
   Its ``horizon`` names the transaction holding back readers of the log (projections): pid,
   database, state, age; null when none does, absent when the database could not be asked.
 
-The metric names and what each means are listed in the README ("Metrics").
+The metric names and what each means are listed in docs/observability.md.
 """
 
 from __future__ import annotations
@@ -150,6 +150,11 @@ class Metrics:
             ["projection"],
             registry=r,
         )
+        self.healthy = Gauge(
+            "waystation_healthy",
+            "1 when /healthz would answer 200 (read at scrape time), else 0.",
+            registry=r,
+        )
         self.scrape_errors = Counter(
             "waystation_scrape_errors",
             "Scrapes whose database gauges could not be read (they keep their last value).",
@@ -217,6 +222,7 @@ class HttpServer:
             self._runner = None
 
     async def _metrics(self, _: web.Request) -> web.Response:
+        self.metrics.healthy.set(1 if (await self._check_health()).healthy else 0)
         if self._refresh is not None:
             try:
                 await asyncio.wait_for(self._refresh(), self._refresh_timeout)
@@ -228,11 +234,14 @@ class HttpServer:
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return response
 
-    async def _healthz(self, _: web.Request) -> web.Response:
+    async def _check_health(self) -> Health:
         try:
-            health = await asyncio.wait_for(self._health(), self._refresh_timeout + 1)
+            return await asyncio.wait_for(self._health(), self._refresh_timeout + 1)
         except Exception as error:
-            health = Health(False, {"error": repr(error)})
+            return Health(False, {"error": repr(error)})
+
+    async def _healthz(self, _: web.Request) -> web.Response:
+        health = await self._check_health()
         detail = dict(health.detail)
         if self._horizon is not None:
             try:

@@ -89,6 +89,7 @@ async def test_metrics_of_a_running_worker_move_as_tasks_flow(
         assert health["consumers"] == 4, "tasks and replies queues of both example agents"
 
         _, before = await get(f"{base}/metrics")
+        assert value(before, "waystation_healthy") == 1, "the same check as /healthz"
         async with Client(settings.amqp_url, queue_prefix=settings.queue_prefix) as client:
             ids = [await client.submit("orchestrator", {"n": n, "k": K}) for n in range(tasks)]
             results = [await client.result(task_id, 60) for task_id in ids]

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import tomllib
 from pathlib import Path
 
 import click
 import jsonschema
 import yaml
+from yarl import URL
 
 from workers.cli import main
 from workers.settings import Settings
-from workers.topology import policy_definition
-from workers.wire import Names
+from workers.topology import management_url_of
 
-COMPOSE = Path(__file__).resolve().parents[2] / "compose"
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "compose"
+sys.path.insert(0, str(ROOT / "scripts"))  # scripts/pin.py: what the image must pin
 
 
 def _compose() -> dict:  # type: ignore[type-arg]
@@ -45,19 +48,129 @@ def test_compose_sets_only_settings_that_exist() -> None:
                 assert variable in known, f"{name} sets unknown {variable}"
 
 
-def test_the_broker_definitions_hold_the_policy_the_workers_would_apply() -> None:
+def test_the_queue_policy_follows_the_workers_prefix_and_delivery_limit() -> None:
+    """No policy is written into the broker's definitions: each worker sets its own through the
+    management API, from WAYSTATION_QUEUE_PREFIX and WAYSTATION_DELIVERY_LIMIT."""
+    compose = _compose()
     definitions = json.loads((COMPOSE / "rabbitmq" / "definitions.json").read_text())
-    prefix = _compose()["x-waystation-env"]["WAYSTATION_QUEUE_PREFIX"]
-    pattern, definition = policy_definition(
-        Names(prefix), Settings.model_fields["delivery_limit"].default
+    assert "policies" not in definitions
+    environment = compose["x-waystation-env"]
+    assert environment["WAYSTATION_BROKER_POLICY"] == "management"
+    assert "WAYSTATION_DELIVERY_LIMIT" in environment
+    api = URL(management_url_of(environment["WAYSTATION_AMQP_URL"]))
+    assert api.host in compose["services"], "the management API is the broker service's"
+    assert compose["services"]["rabbitmq"]["image"].endswith("-management")
+    assert compose["services"]["worker"]["depends_on"]["rabbitmq"]["condition"] == "service_healthy"
+    (user,) = (u for u in definitions["users"] if u["name"] == api.user)
+    assert {"administrator", "policymaker"} & set(user["tags"]), "the user may set policies"
+
+
+def test_the_broker_keeps_its_node_name_when_recreated() -> None:
+    """RabbitMQ names its node (and its data directory) after the host name."""
+    assert _compose()["services"]["rabbitmq"]["hostname"] == "rabbitmq"
+
+
+def _postgres_setting(name: str) -> int:
+    command = _compose()["services"]["postgres"]["command"]
+    (value,) = (word.split("=", 1)[1] for word in command if word.startswith(f"{name}="))
+    return int(value)
+
+
+def test_the_connection_budget_adds_up_at_the_documented_scale() -> None:
+    """Workers × their pool, the projection runners' connections and the one-off ones stay below
+    PostgreSQL's max_connections (less the 3 reserved for superusers) at the largest scale the
+    docs give."""
+    from projections.postgres import PROJECTIONS
+
+    compose = _compose()
+    budget = compose["x-waystation-budget"]
+    pool = int(compose["x-waystation-env"]["WAYSTATION_DB_POOL_SIZE"])
+    runners = compose["services"]["projections"]["deploy"]["replicas"]
+    used = (
+        budget["max_workers"] * pool
+        + runners * (len(PROJECTIONS) + 2)  # workers/cli/serve.py: one per projection, two more
+        + budget["one_off_connections"]
     )
-    (policy,) = definitions["policies"]
-    assert policy["name"] == Names(prefix).policy_name
-    assert policy["pattern"] == pattern
-    assert policy["definition"] == definition
-    assert re.match(pattern, f"{prefix}orchestrator") and not re.match(
-        pattern, Names(prefix).dead_letter_queue
+    assert used <= _postgres_setting("max_connections") - 3
+    assert compose["services"]["worker"]["deploy"]["replicas"] <= budget["max_workers"]
+    documented = " ".join(
+        ((ROOT / "README.md").read_text() + (ROOT / "docs" / "deployment.md").read_text()).split()
     )
+    assert f"up to {budget['max_workers']}" in documented
+    assert f"`max_connections` ({_postgres_setting('max_connections')})" in documented
+
+
+def test_the_build_context_leaves_out_local_state() -> None:
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv"} <= set(ignored)
+    dockerfile = (COMPOSE / "Dockerfile").read_text()
+    for source in re.findall(r"^COPY (\S+)", dockerfile, flags=re.MULTILINE):
+        assert source.split("/")[0] not in ignored, f"{source} is left out of the context"
+
+
+def test_the_image_installs_pinned_versions_of_every_dependency() -> None:
+    from pin import pinned, runtime_versions
+
+    constraints = pinned((COMPOSE / "constraints.txt").read_text())
+    missing = set(runtime_versions()) - set(constraints)
+    assert not missing, f"not pinned (run scripts/pin): {sorted(missing)}"
+    assert "setuptools" in constraints, "the build backend, pyproject's build-system"
+    dockerfile = (COMPOSE / "Dockerfile").read_text()
+    assert "COPY compose/constraints.txt ./" in dockerfile
+    assert "PIP_CONSTRAINT=/app/constraints.txt pip install" in dockerfile
+    assert re.search(r"^FROM python:\d+\.\d+\.\d+-slim-\w+$", dockerfile, re.MULTILINE)
+
+
+def _prometheus(name: str) -> dict:  # type: ignore[type-arg]
+    return yaml.safe_load((COMPOSE / "prometheus" / name).read_text())
+
+
+def test_prometheus_scrapes_every_worker_and_projection_runner() -> None:
+    compose = _compose()
+    port = int(compose["x-waystation-env"]["WAYSTATION_METRICS_PORT"])
+    scraped = {
+        name
+        for job in _prometheus("prometheus.yml")["scrape_configs"]
+        for sd in job["dns_sd_configs"]
+        if sd["type"] == "A" and sd["port"] == port
+        for name in sd["names"]
+    }
+    assert scraped == {"worker", "projections"}
+    mounted = compose["services"]["prometheus"]["volumes"]
+    for rules in _prometheus("prometheus.yml")["rule_files"]:
+        assert any(volume.endswith(f":{rules}:ro") for volume in mounted), rules
+
+
+def test_the_alert_rules_watch_what_the_workers_export() -> None:
+    from workers.metrics import Metrics
+
+    exported = {
+        family.name + ("_total" if family.type == "counter" else "")
+        for family in Metrics().registry.collect()
+    }
+    rules = [rule for group in _prometheus("alerts.yml")["groups"] for rule in group["rules"]]
+    watched: set[str] = set()
+    for rule in rules:
+        names = set(re.findall(r"\b(waystation_[a-z_]+|up)\b", rule["expr"]))
+        assert names - {"up"} <= exported, rule["alert"]
+        watched |= names
+    assert {
+        "waystation_projection_lag_seconds",
+        "waystation_outbox_backlog",
+        "waystation_dead_letters_total",
+        "waystation_healthy",
+    } <= watched
+
+
+def test_every_file_compose_mounts_or_builds_from_exists() -> None:
+    for name, service in _compose()["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (COMPOSE / source).exists(), f"{name}: {source}"
+        if "build" in service:
+            context = COMPOSE / service["build"]["context"]
+            assert (context / service["build"]["dockerfile"]).exists(), name
 
 
 def test_the_dockerfile_copies_every_package_it_installs() -> None:
@@ -131,7 +244,7 @@ def _rabbitmq_conf() -> dict[str, str]:
 
 def test_the_broker_refuses_messages_larger_than_a_worker_accepts() -> None:
     """A worker reads a whole body into memory before it can check its size: the broker's cap
-    is what bounds that memory (README, "Configuration"). It is the workers' body limit plus
+    is what bounds that memory (docs/configuration.md). It is the workers' body limit plus
     their header limit, room for the properties, so nothing a worker accepts is refused."""
     environment = _compose()["x-waystation-env"]
     body, headers = (
