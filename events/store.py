@@ -15,7 +15,7 @@ Contract (the shared suite in ``tests/contract/test_event_store.py`` runs it aga
 * ``read_stream`` returns a stream's events in version order; ``last_event`` its newest event
   alone (None for a stream with none), the head a writer appends after.
 * ``read_all(after)`` returns events in commit order, never skipping one that commits later
-  with a smaller position (the snapshot-horizon cursor of DESIGN.md §3).
+  with a smaller position (the snapshot-horizon cursor, docs/internals.md).
 * Pending calls (an inline projection kept by the append itself): a ``TaskPaused`` adds its
   calls with their deadlines, a ``SubtaskClaimed`` removes one, a ``DeadlineExtended`` moves
   one, a terminal event removes the task's rest. ``claim_expired_calls`` leases expired ones

@@ -3,7 +3,7 @@
 
 ``verify_stream`` checks one task's stream as the log holds it: contiguous versions from 1, the
 hash chain (each ``prev_hash`` links to the event before, each ``hash`` matches the content), and
-the invariants of the task's state machine (DESIGN.md §6): a sub-task is claimed at most once
+the invariants of the task's state machine (docs/guarantees.md): a sub-task is claimed at most once
 (G2), a pause is resumed at most once and only after every one of its calls has a result (G3),
 every result follows its claim, and nothing but audit-only events follows a terminal event.
 

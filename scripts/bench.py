@@ -1,4 +1,4 @@
-"""The benchmark: the fan-out/fan-in job of DESIGN.md section 8 on real worker processes, and the
+"""The benchmark: the fan-out/fan-in job of docs/performance.md on real worker processes, and the
 figures around it (event appends, projection rebuilds, a worker's memory over a long run, a
 concurrency curve), optionally side by side with the same job in Celery.
 

@@ -1,6 +1,6 @@
 """The worker: consumes an app's queues, records every outcome, then settles the message.
 
-Every delivery goes through the same four steps (DESIGN.md §5): **decide** (pure, in
+Every delivery goes through the same four steps (docs/internals.md): **decide** (pure, in
 ``events.task``), **append** (one statement: the events and the outbox rows they imply, see
 ``workers.recorder``), **publish** (the implied messages, ``workers.outbox``), then **settle**
 (``workers.settle``, the one place that acks, requeues or dead-letters, and only after the outcome

@@ -47,8 +47,9 @@ class Settings(BaseSettings):
     fails the task (``StateTooLarge``), without retries."""
     resume_in_place: bool = True
     """The worker that records a pause's last reply runs the resumed handler at once and appends
-    its outcome with that reply (no resume message; DESIGN.md §8). Off: every resume travels as
-    a message on the agent's queue. A resumed handler that raises always goes by message."""
+    its outcome with that reply (no resume message; docs/performance.md). Off: every resume
+    travels as a message on the agent's queue. A resumed handler that raises always goes by
+    message."""
     audit_all_tasks: bool = False
     """Record tasks that complete without calling peers too (off: they write nothing)."""
     delivery_limit: int = Field(default=5, ge=1)

@@ -4,7 +4,7 @@ Every hook of the worker into OpenTelemetry is here. With the extra missing, or 
 on (``OTEL_TRACES_EXPORTER`` unset or ``none``, or ``OTEL_SDK_DISABLED=true``), each hook is a
 no-op that costs one check of a module flag, and the worker never imports OpenTelemetry.
 
-The spans of one task (README, "Tracing"):
+The spans of one task (docs/observability.md, "OpenTelemetry spans"):
 
 * ``run <agent>``: each run of the handler (first run, resumed run, retry);
 * ``pause <agent>``: a recorded pause, child of the run that returned it, with one

@@ -1,6 +1,6 @@
 """The wire format: queue names, message types, properties and JSON bodies.
 
-Everything a publisher or peer in another language needs is here (and in README "Wire format").
+Everything a publisher or peer in another language needs is here (and in docs/wire-format.md).
 All messages go through the default exchange (``""``) with the queue name as routing key, are
 persistent (delivery mode 2), and carry ``content_type: application/json``.
 
@@ -71,7 +71,7 @@ Waystation counts attempts itself with it, whatever the broker's own counters me
 stopped counting a requeue in ``x-delivery-count``)."""
 
 HEADER_REASON = "x-waystation-reason"
-"""On a dead letter: why, as a machine-readable code (README, "Dead letters")."""
+"""On a dead letter: why, as a machine-readable code (docs/failures.md)."""
 HEADER_DETAIL = "x-waystation-detail"
 HEADER_QUEUE = "x-waystation-queue"
 """On a dead letter: the queue it came from (where a replay sends it back)."""

@@ -2,7 +2,8 @@
 are SIGKILLed, every broker connection is closed once and PostgreSQL restarts once; the script
 must exit 0 and its JSON must show nothing lost, wrong or recorded twice, and every fault landing
 on work in flight. The full run (5,000 tasks, 24 faults) is too long for the suite; its latest
-figures are in the README ("Chaos"). Also its result collector, on a result delivered again."""
+figures are in docs/development.md ("Chaos"). Also its result collector, on a result delivered
+again."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def test_the_quick_chaos_run_loses_nothing_and_records_nothing_twice(
     assert (results["answered"], results["missing"], results["wrong"]) == (tasks, 0, 0), output
     log = figures["log"]
     # one stream per task, plus one per researcher's task that was redelivered after a kill
-    # (it records its completion: README, "Failures and dead letters")
+    # (it records its completion: docs/failures.md)
     assert log["streams"] >= tasks and log["unexpected_streams"] == 0, output
     assert (
         log["tasks_not_completed_once"],

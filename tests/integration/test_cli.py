@@ -186,7 +186,8 @@ async def test_dead_letters_can_be_listed_then_replayed_after_the_cause_is_fixed
 
 
 async def test_alembic_itself_migrates_from_the_project_root(services: Services) -> None:
-    """README: `alembic upgrade head` works too, configured by [tool.alembic] in pyproject.toml."""
+    """docs/agents.md: `alembic upgrade head` works too, configured by [tool.alembic] in
+    pyproject.toml."""
     from sqlalchemy import text
     from sqlalchemy.ext.asyncio import create_async_engine
 

@@ -34,7 +34,8 @@ Span = dict[str, Any]
 
 
 def render(spans: list[Span]) -> str:
-    """The spans of one trace as an indented tree (children by start time), for the README."""
+    """The spans of one trace as an indented tree (children by start time), for
+    docs/observability.md."""
     children: dict[str | None, list[Span]] = {}
     ids = {s["span_id"] for s in spans}
     for span in spans:

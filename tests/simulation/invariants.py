@@ -249,7 +249,8 @@ def _timeout_problems(observed: Observed, streams: dict[str, list[RecordedEvent]
     for stream_id, events in streams.items():
         # the last reply of a pause is recorded only with what its handler, run in place, then
         # decides: a deadline passing during a slow run is timed out, by another sweeper once
-        # the lease of this worker's (waiting on the stream) runs out (README, "Deadlines")
+        # the lease of this worker's (waiting on the stream) runs out
+        # (docs/deadlines-and-cancellation.md)
         allowed = slack + (SWEEP_LEASE + slow.get(stream_id, 0.0) if slow.get(stream_id) else 0)
         deadlines: dict[str, float] = {}
         for event in events:
@@ -293,10 +294,10 @@ def _answered_before_the_cancel(observed: Observed, task_id: str, cancelled: Rec
 def _answered_then_cancelled_across_a_crash(
     observed: Observed, task_id: str, events: list[RecordedEvent]
 ) -> bool:
-    """The one case where a publisher may hear two answers (README, "Cancellation"): a task that
-    calls no peers records nothing (G10); it answered ``ok`` (having looked at the log before the
-    cancel committed), and its worker died before acking it; the redelivery, after the cancel,
-    answers ``cancelled``. Nothing in the log can tell that the first run answered."""
+    """The one case where a publisher may hear two answers (docs/deadlines-and-cancellation.md):
+    a task that calls no peers records nothing (G10); it answered ``ok`` (having looked at the
+    log before the cancel committed), and its worker died before acking it; the redelivery, after
+    the cancel, answers ``cancelled``. Nothing in the log can tell that the first run answered."""
     if not (len(events) == 1 and events[0].event_type == "TaskCancelled"):
         return False
     cancelled_at = events[0].recorded_at

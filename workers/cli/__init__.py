@@ -45,7 +45,7 @@ __all__ = ["main"]
 def main(log_level: str, log_format: str) -> None:
     """Waystation: durable pause and resume-anywhere for agents that call other agents.
 
-    Settings come from WAYSTATION_* environment variables (see README, "Configuration").
+    Settings come from WAYSTATION_* environment variables (see docs/configuration.md).
     Logs go to stderr; results, tables and --json output to stdout.
     """
     from ..logs import configure_logging

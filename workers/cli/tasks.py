@@ -142,7 +142,7 @@ async def _cancel(
 
 @click.group(name="dead-letters")
 def dead_letters() -> None:
-    """Inspect and replay the dead-letter queue (see README, "Dead letters")."""
+    """Inspect and replay the dead-letter queue (see docs/failures.md)."""
 
 
 @dead_letters.command(name="list")

@@ -1,4 +1,4 @@
-"""The worker's flows, one per message kind (DESIGN.md §5): decide, append, publish, settle.
+"""The worker's flows, one per message kind (docs/internals.md): decide, append, publish, settle.
 
 Each flow takes a delivery and returns what should become of it (``workers.settle.Settled``);
 the worker settles it afterwards, so that no flow acks before its effect is durable (G1).

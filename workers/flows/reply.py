@@ -6,8 +6,9 @@ one append. A duplicate, a late reply or one for an unknown call is acked and re
 and acked without appending anything.
 
 The worker that records the last reply runs the resumed handler at once, in place, and appends
-its outcome in the same statement (DESIGN.md §8): no resume message, no second read. The reply
-stays unacked until that append commits, so a crash redelivers it and the whole step runs again.
+its outcome in the same statement (docs/performance.md): no resume message, no second read. The
+reply stays unacked until that append commits, so a crash redelivers it and the whole step runs
+again.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A task message: run the agent's handler, then record its outcome (DESIGN.md §5, "Task").
+"""A task message: run the agent's handler, then record its outcome (docs/internals.md).
 
 A task that completes without calling peers writes nothing (G10): its result is the only effect.
 A pause appends ``TaskStarted`` and ``TaskPaused`` in one statement, whose outbox rows are the
