@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 import aio_pika
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
+from aiohttp import web
 from sqlalchemy import text
 
 from events.codec import dumps
@@ -486,3 +487,21 @@ async def freeze_holding_work(worker: WorkerProcess, attempts: int = 30) -> int:
         worker.process.send_signal(signal.SIGCONT)
         await asyncio.sleep(0.1)
     return 0
+
+
+@contextlib.asynccontextmanager
+async def management_api(
+    put_policy: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> AsyncIterator[int]:
+    """A stand-in of RabbitMQ's management API on a free local port (yielded) whose ``PUT
+    /api/policies/{vhost}/{name}`` is ``put_policy``."""
+    app = web.Application()
+    app.router.add_put("/api/policies/{vhost}/{name}", put_policy)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()

@@ -13,6 +13,7 @@ sent with ``rabbitmqctl``, as the plugin would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shlex
 import sys
@@ -36,7 +37,7 @@ from ..documents import README, ROOT, code_blocks
 from ..harness.broker import fresh_prefix, run_rabbitmqctl, temporary_vhost, wait_for_consumers
 from ..harness.database import fresh_database_url
 from ..harness.processes import WorkerProcess, free_port, stop_all, tail, waystation_cli
-from ..support import Services, require
+from ..support import Services, management_api, require
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -133,26 +134,18 @@ async def deployment(services: Services, tmp_path: Path) -> AsyncIterator[Deploy
             "WAYSTATION_AMQP_URL": amqp_url,
             "WAYSTATION_QUEUE_PREFIX": fresh_prefix(),
         }
-        stand_in = None
-        if not await _listening(15672):
-            stand_in = ManagementStandIn()
-            app = web.Application()
-            app.router.add_put("/api/policies/{vhost}/{name}", stand_in.put_policy)
-            runner = web.AppRunner(app)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            environment["WAYSTATION_MANAGEMENT_URL"] = f"http://guest:guest@127.0.0.1:{port}"
-        running = Deployment(environment, tmp_path)
-        try:
-            yield running
-        finally:
-            codes = stop_all([process for process, _ in running.all()])
-            if stand_in is not None:
-                await runner.cleanup()
-            await migrations.drop_database(database_url)
-        assert set(codes.values()) <= {0}, codes
+        async with contextlib.AsyncExitStack() as stack:
+            if not await _listening(15672):
+                stand_in = ManagementStandIn()
+                port = await stack.enter_async_context(management_api(stand_in.put_policy))
+                environment["WAYSTATION_MANAGEMENT_URL"] = f"http://guest:guest@127.0.0.1:{port}"
+            running = Deployment(environment, tmp_path)
+            try:
+                yield running
+            finally:
+                codes = stop_all([process for process, _ in running.all()])
+                await migrations.drop_database(database_url)
+            assert set(codes.values()) <= {0}, codes
 
 
 async def _listening(port: int) -> bool:

@@ -13,6 +13,8 @@ from aiohttp import web
 from workers.topology import apply_policy, management_url_of, policy_definition
 from workers.wire import Names
 
+from ..support import management_api
+
 
 class ManagementApi:
     """``PUT /api/policies/{vhost}/{name}`` as RabbitMQ answers it (201), or ``refuse``."""
@@ -33,15 +35,8 @@ class ManagementApi:
 @pytest_asyncio.fixture
 async def management() -> AsyncIterator[tuple[ManagementApi, str]]:
     api = ManagementApi()
-    app = web.Application()
-    app.router.add_put("/api/policies/{vhost}/{name}", api.put_policy)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield api, f"http://operator:secret@127.0.0.1:{port}"
-    await runner.cleanup()
+    async with management_api(api.put_policy) as port:
+        yield api, f"http://operator:secret@127.0.0.1:{port}"
 
 
 def test_the_management_api_is_found_beside_the_amqp_url() -> None:
