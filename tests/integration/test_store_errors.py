@@ -121,18 +121,27 @@ async def unavailable_on_read(url: str) -> StoreUnavailable:
 
 
 async def test_a_pool_checkout_timeout_is_store_unavailable(database_url: str) -> None:
+    """Both pools: SQLAlchemy's (the rest) and asyncpg's (the hot path), each with its one
+    connection held, make the next statement wait pool_timeout and then StoreUnavailable."""
     engine = create_async_engine(
         database_url, isolation_level="AUTOCOMMIT", pool_size=1, max_overflow=0, pool_timeout=0.2
     )
-    store = PostgresEventStore(engine, owns_engine=True)
+    store = PostgresEventStore(engine, owns_engine=True, hot_pool_size=1)
     try:
-        async with engine.connect():  # the pool's only connection, held
+        async with engine.connect():  # SQLAlchemy's only connection, held
+            with pytest.raises(StoreUnavailable) as raised:
+                await store.outbox_size()
+            assert isinstance(raised.value.__cause__, sqlalchemy.exc.TimeoutError)
+            with pytest.raises(StoreUnavailable):  # a first hot connection is opened by it
+                await store.read_stream("pool-timeout")
+        async with store._hot_connection():  # the hot path's only connection, held
             with pytest.raises(StoreUnavailable) as raised:
                 await store.read_stream("pool-timeout")
-            assert isinstance(raised.value.__cause__, sqlalchemy.exc.TimeoutError)
+            assert "no database connection free within 0.2 s" in str(raised.value)
             with pytest.raises(StoreUnavailable):
                 await store.append("pool-timeout", 0, [probe(1)], prev_hash=GENESIS_HASH)
-        assert await store.read_stream("pool-timeout") == []  # the pool works again
+            assert await store.outbox_size() == 0  # the other pool still serves
+        assert await store.read_stream("pool-timeout") == []  # both pools work again
     finally:
         await store.close()
 
