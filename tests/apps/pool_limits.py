@@ -17,7 +17,7 @@ from workers import App, Rate, TaskContext
 
 app = App()
 
-METERED = Rate(3, per=2.0)
+METERED = Rate(3, per=3.0)
 
 
 def _line(what: str, task_id: str, *extra: str) -> None:
@@ -53,9 +53,10 @@ async def holder(task: TaskContext) -> Outcome:
 
 @app.agent("metered", rate=METERED)
 async def metered(task: TaskContext) -> Outcome:
-    """At most 3 starts per 2 s in the pool. Also records when the pool admitted the run: the
+    """At most 3 starts per 3 s in the pool. Also records when the pool admitted the run: the
     database's time its rate slot was taken (``pool_slots.taken_at``), the instant the limit is
-    counted at; the run's own start is a moment later."""
+    counted at; the run's own start is a moment later. (The slot's row names this task until
+    another start takes it, 3 s later at the soonest.)"""
     _line("start", task.task_id, str(await _admitted_at(task.task_id)))
     _line("end", task.task_id)
     return Complete({})

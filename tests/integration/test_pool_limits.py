@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 APP = "tests.apps.pool_limits:app"
 AGENTS = ["gate", "holder", "metered"]
-LEASE_SECONDS = 2.0
+LEASE_SECONDS = 3.0
 """The workers' ``WAYSTATION_SLOT_LEASE_SECONDS``: a killed holder's slot is free this long after
 its last renewal at the latest."""
 
@@ -157,25 +157,27 @@ async def test_a_killed_holders_slot_comes_back_within_the_lease_time(
         again = await client.result(first, timeout=120)
     assert done.ok and again.ok, f"{done} {again}\n{logs()}"
     found = runs(runs_file)
-    [run] = found[second]
-    assert run.started >= killed_at, "the slot was taken while its holder lived"
+    # (the second task runs twice when the kill lands between the broker's confirm of one of
+    # its waiting copies and the ack of the delivery it replaces: the crash window of G1)
+    run, *_ = found[second]
+    assert all(r.started >= killed_at for r in found[second]), "taken while its holder lived"
     came_back = run.started - killed_at
     # free LEASE_SECONDS after the last renewal at the latest, then the waiting tasks' next
     # tries (each wait at most 0.5 s); the margin is for a slow machine, not part of the bound
     assert came_back < LEASE_SECONDS + 20, f"the slot came back after {came_back:.1f}s"
     # the killed run was run again, and never beside another live one
-    killed, rerun = found[first]
-    assert killed.ended is None and rerun.ended is not None and rerun.pid != holding.pid
-    live = [(r.started, r.ended) for r in (run, rerun) if r.ended is not None]
+    killed, *reruns = found[first]
+    assert killed.ended is None and reruns and all(r.pid != holding.pid for r in reruns)
+    live = [(r.started, r.ended) for r in [*found[second], *reruns] if r.ended is not None]
     assert most_at_once(live) == 1, live
 
 
-async def test_a_rate_of_3_per_2s_is_never_exceeded_in_any_window(
+async def test_a_rate_of_3_per_3s_is_never_exceeded_in_any_window(
     settings: Settings, workers: list[WorkerProcess], runs_file: Path
 ) -> None:
     logs = await start(settings, workers)
     async with RecordingClient(settings.amqp_url, queue_prefix=settings.queue_prefix) as client:
-        ids = [await client.submit("metered", {}) for _ in range(9)]
+        ids = [await client.submit("metered", {}) for _ in range(7)]
         results = [await client.result(task_id, timeout=120) for task_id in ids]
     assert all(result.ok for result in results), f"{results}\n{logs()}"
     found = runs(runs_file)
@@ -185,10 +187,12 @@ async def test_a_rate_of_3_per_2s_is_never_exceeded_in_any_window(
         assert run.admitted is not None and run.admitted <= run.started, run
         admitted.append(run.admitted)
     admitted.sort()
-    # at most 3 in any window of 2 s: any 4 consecutive admissions span 2 s or more
+    # at most 3 in any window of 3 s: any 4 consecutive admissions span 3 s or more. (Checked
+    # on the database's times: a run's own start lags its admission by however long the
+    # worker takes to call the handler, which a test cannot bound)
     for first, fourth in zip(admitted, admitted[3:], strict=False):
-        assert fourth - first >= 2.0, admitted
-    assert admitted[-1] - admitted[0] >= 4.0  # 9 starts: three windows at least
+        assert fourth - first >= 3.0, admitted
+    assert admitted[-1] - admitted[0] >= 6.0  # 7 starts: three windows at least
 
 
 def test_waystation_agents_shows_concurrency_and_rate(settings: Settings) -> None:
@@ -196,7 +200,7 @@ def test_waystation_agents_shows_concurrency_and_rate(settings: Settings) -> Non
     assert listed.returncode == 0, listed.stderr
     by_agent = {row["agent"]: row for row in json.loads(listed.stdout)["agents"]}
     assert by_agent["gate"]["concurrency"] == 2 and by_agent["gate"]["rate"] is None
-    assert by_agent["metered"]["rate"] == {"count": 3, "per": 2.0}
+    assert by_agent["metered"]["rate"] == {"count": 3, "per": 3.0}
     assert by_agent["metered"]["concurrency"] is None
     table = waystation(settings, "agents", "--app", APP)
     assert table.returncode == 0, table.stderr
@@ -204,7 +208,7 @@ def test_waystation_agents_shows_concurrency_and_rate(settings: Settings) -> Non
     header = lines[0]
     assert "concurrency" in header and "rate" in header
     [metered] = [line for line in lines if line.startswith("metered ")]
-    assert "3/2s" in metered.split()
+    assert "3/3s" in metered.split()
     [gate] = [line for line in lines if line.startswith("gate ")]
     column = header.index("concurrency")
     assert gate[column:].split()[0] == "2"
