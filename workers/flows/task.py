@@ -47,10 +47,10 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
     if again or root_id == task_id:
         # it may have been recorded already: by its first holder, or by the run a retry (or a
         # wait for a slot) of its own came from (a worker that died between sending the copy
-        # and acking leaves both). And
-        # a task a publisher submitted (a root) may be a resend of one that already finished:
-        # it is answered from the log, not run again. (A call of another task skips this read:
-        # its caller sends each call once, and records a repeated answer as a duplicate.)
+        # and acking leaves both). And a task a publisher submitted (a root) may be a resend of
+        # one that already finished: it is answered from the log, not run again. (A call of
+        # another task skips this read: its caller sends each call once, and records a
+        # repeated answer as a duplicate.)
         recorded = await flows.recorder.load(task_id)
         if recorded.exists:
             return await _already_recorded(flows, delivery, recorded)
