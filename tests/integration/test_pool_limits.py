@@ -82,11 +82,6 @@ def most_at_once(intervals: list[tuple[float, float]]) -> int:
 
 
 @pytest.fixture
-def runs_file(tmp_path: Path) -> Path:
-    return tmp_path / "runs.txt"
-
-
-@pytest.fixture
 def workers(
     settings: Settings, extra_agents: list[str], runs_file: Path, tmp_path: Path
 ) -> Iterator[list[WorkerProcess]]:
