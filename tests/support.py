@@ -364,13 +364,22 @@ def fanout_inputs(
 async def start_example_workers(settings: Settings, workers: Sequence[WorkerProcess]) -> None:
     """Start the example app's worker processes and wait until each consumes every queue."""
     names = Names(settings.queue_prefix)
+    await start_workers(
+        settings,
+        workers,
+        [names.tasks("orchestrator"), names.replies("orchestrator"), names.tasks("researcher")],
+    )
+
+
+async def start_workers(
+    settings: Settings, workers: Sequence[WorkerProcess], queues: Sequence[str]
+) -> None:
+    """Start worker processes and wait until each consumes every one of ``queues``; fail at once
+    when one exits meanwhile."""
     for worker in workers:
         worker.start()
     await wait_for_consumers(
-        settings.amqp_url,
-        [names.tasks("orchestrator"), names.replies("orchestrator"), names.tasks("researcher")],
-        len(workers),
-        alive=lambda: all(w.alive() for w in workers),
+        settings.amqp_url, queues, len(workers), alive=lambda: all(w.alive() for w in workers)
     )
 
 

@@ -7,7 +7,7 @@ from events import Call, CallResult, Complete, Outcome, Pause
 
 from .agent import AgentSpec, App, Handler, TaskContext
 from .client import Client, TaskResult
-from .policies import Backoff, Permanent, PolicyError, TimeLimitExceeded
+from .policies import Backoff, Permanent, PolicyError, Rate, TimeLimitExceeded
 from .runtime import Worker
 from .settings import Settings
 
@@ -24,6 +24,7 @@ __all__ = [
     "Pause",
     "Permanent",
     "PolicyError",
+    "Rate",
     "Settings",
     "TaskContext",
     "TaskResult",

@@ -38,7 +38,15 @@ from pydantic import BaseModel
 
 from events import CallResult, Outcome
 
-from .policies import Backoff, PolicyError, check_retries, check_time_limit
+from .policies import (
+    Backoff,
+    PolicyError,
+    Rate,
+    as_rate,
+    check_concurrency,
+    check_retries,
+    check_time_limit,
+)
 
 __all__ = ["AgentSpec", "App", "BlockingHandler", "Handler", "TaskContext"]
 
@@ -89,6 +97,15 @@ class AgentSpec:
     """The wait before each retry, spent in the broker (``workers.policies``)."""
     time_limit: float | None = None
     """Seconds one run may take; a longer run is cancelled and counts as a failed attempt."""
+    concurrency: int | None = None
+    """Most runs of the handler at once across the pool (None: no limit; ``workers.limits``)."""
+    rate: Rate | None = None
+    """Most starts of a run per period across the pool (None: no limit; ``workers.limits``)."""
+
+    @property
+    def limited(self) -> bool:
+        """Whether a run must take a slot of the pool first (``concurrency`` or ``rate``)."""
+        return self.concurrency is not None or self.rate is not None
 
     def attempts(self, delivery_limit: int) -> int:
         """Runs of the handler in all: the first and its retries."""
@@ -101,6 +118,8 @@ class AgentSpec:
             "retries": self.attempts(delivery_limit) - 1,
             "backoff": self.backoff.to_json(),
             "time_limit": self.time_limit,
+            "concurrency": self.concurrency,
+            "rate": self.rate.to_json() if self.rate is not None else None,
             "default_call_timeout": self.default_timeout,
         }
 
@@ -121,13 +140,17 @@ class App:
         retries: int | None = None,
         backoff: Backoff | None = None,
         time_limit: float | None = None,
+        concurrency: int | None = None,
+        rate: Rate | str | None = None,
     ) -> Callable[[AnyHandler], AnyHandler]:
         """Register the decorated function as the handler of agent ``name``: a coroutine
         function, or a plain function (run in the worker's thread pool). ``input`` and
         ``result`` are the pydantic models of its input and result, if it declares them. Its
         policies (``workers.policies``): ``retries`` after a raising run (default: the delivery
-        limit's), the ``backoff`` between them, and a ``time_limit`` per run. A policy that
-        cannot work raises :class:`~workers.policies.PolicyError` here, at import time."""
+        limit's), the ``backoff`` between them, a ``time_limit`` per run, and across the pool the
+        most runs at once (``concurrency``) and starts per period (``rate``: a
+        :class:`~workers.policies.Rate` or ``"10/s"``); none by default. A policy that cannot
+        work raises :class:`~workers.policies.PolicyError` here, at import time."""
         if not name or any(ch.isspace() for ch in name):
             raise ValueError(f"agent names are non-empty and without spaces: {name!r}")
         for role, model in (("input", input), ("result", result)):
@@ -135,6 +158,8 @@ class App:
                 raise TypeError(f"agent {name!r}: {role}= takes a pydantic model, not {model!r}")
         check_retries(retries)
         check_time_limit(time_limit)
+        check_concurrency(concurrency)
+        pool_rate = as_rate(rate)
         if backoff is not None and not isinstance(backoff, Backoff):
             raise PolicyError(f"backoff must be a workers.Backoff, not {backoff!r}")
 
@@ -151,6 +176,8 @@ class App:
                 retries=retries,
                 backoff=backoff or Backoff(),
                 time_limit=time_limit,
+                concurrency=concurrency,
+                rate=pool_rate,
             )
             return handler
 

@@ -133,6 +133,19 @@ class Metrics:
             ["service"],
             registry=r,
         )
+        self.limit_waits = Counter(
+            "waystation_limit_waits",
+            "Runs that found their agent's concurrency or rate full across the pool: their task "
+            "waited in the broker, by agent and limit (concurrency, rate).",
+            ["agent", "limit"],
+            registry=r,
+        )
+        self.leases_lost = Counter(
+            "waystation_slot_leases_lost",
+            "Concurrency slots this worker held that ran out before it renewed them (their runs "
+            "went on beyond the limit).",
+            registry=r,
+        )
         self.outbox_backlog = Gauge(
             "waystation_outbox_backlog",
             "Outbox rows not yet published and forgotten (read at scrape time).",

@@ -122,6 +122,18 @@ class Observer:
         self.stats.count("timeouts")
         self.metrics.timeouts.labels(agent).inc()
 
+    # ---- pool limits ---------------------------------------------------------------------------
+
+    def waited(self, agent: str, limit: str) -> None:
+        """A run found ``limit`` (``concurrency`` or ``rate``) full: its task waits."""
+        self.stats.count(f"limit_waits.{limit}")
+        self.metrics.limit_waits.labels(agent, limit).inc()
+
+    def leases_lost(self, count: int) -> None:
+        """Concurrency slots this worker held that ran out before it renewed them."""
+        self.stats.count("slot_leases_lost", count)
+        self.metrics.leases_lost.inc(count)
+
     def relayed(self, count: int) -> None:
         self.stats.count("outbox_relayed", count)
         self.metrics.outbox_relayed.inc(count)

@@ -13,15 +13,37 @@ version. A handler that raises :class:`Permanent` is not tried again. A run long
 ``time_limit`` is cancelled and counts as a failed attempt. When the attempts run out the task is
 recorded as failed, its publisher gets an error result and its message is dead-lettered, as
 before.
+
+Two policies limit an agent across the whole pool, however many workers serve it::
+
+    @app.agent("quote", concurrency=2, rate=Rate(10, per=60))    # or rate="10/m"
+    async def quote(task: TaskContext) -> Outcome: ...
+
+``concurrency`` is the most runs of the agent's handler at once in the pool, ``rate`` the most
+starts of a run in any window of ``per`` seconds (a first run, a retry or a resumed run each
+start one). Neither is counted per worker: both are slots in PostgreSQL, taken before a run
+starts (``workers.limits``). A task that finds no free slot is not held by the worker: it waits
+in the broker, as a retry does, and tries again; waiting is not a failed attempt. Both are off by
+default, and an agent without them costs nothing more.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import dataclass
 
-__all__ = ["WAIT_STEPS_MS", "Backoff", "Permanent", "PolicyError", "TimeLimitExceeded", "wait_step"]
+__all__ = [
+    "MAX_SLOTS",
+    "WAIT_STEPS_MS",
+    "Backoff",
+    "Permanent",
+    "PolicyError",
+    "Rate",
+    "TimeLimitExceeded",
+    "wait_step",
+]
 
 
 class PolicyError(ValueError):
@@ -101,20 +123,93 @@ def wait_step(seconds: float) -> int:
     return WAIT_STEPS_MS[-1]
 
 
+def _whole(value: object, low: int, high: int) -> bool:
+    """``value`` is a whole number (not a bool) from ``low`` to ``high``."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _finite(value: object) -> bool:
+    """``value`` is a finite number (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_retries(retries: int | None) -> None:
-    if retries is None:
-        return
-    if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 100:
+    if retries is not None and not _whole(retries, 0, 100):
         raise PolicyError(f"retries must be a whole number from 0 to 100, not {retries!r}")
 
 
 def check_time_limit(time_limit: float | None) -> None:
     if time_limit is None:
         return
-    if (
-        isinstance(time_limit, bool)
-        or not isinstance(time_limit, (int, float))
-        or not math.isfinite(time_limit)
-        or time_limit <= 0
-    ):
+    if not _finite(time_limit) or time_limit <= 0:
         raise PolicyError(f"time_limit must be a positive number of seconds, not {time_limit!r}")
+
+
+MAX_SLOTS = 10_000
+"""The largest ``concurrency``, and the most starts a ``rate`` allows per period: each is a row
+of the slot table (``workers.limits``)."""
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_RATE = re.compile(r"\s*(\d+)\s*/\s*(\d*\.?\d*)\s*([smhd])\s*")
+
+
+@dataclass(frozen=True, slots=True)
+class Rate:
+    """At most ``count`` starts of a run in any window of ``per`` seconds, across the pool.
+
+    ``Rate(10, per=60)`` is also written ``"10/m"`` (units ``s``, ``m``, ``h``, ``d``; a number
+    before the unit multiplies it: ``"3/2s"``). A burst of ``count`` starts is allowed at once;
+    the next waits until the first of them is ``per`` seconds old (a sliding window, not a
+    refilling bucket)."""
+
+    count: int
+    per: float = 1.0
+
+    def __post_init__(self) -> None:
+        count, per = self.count, self.per
+        if not _whole(count, 1, MAX_SLOTS):
+            raise PolicyError(
+                f"rate count must be a whole number from 1 to {MAX_SLOTS}, not {count!r}"
+            )
+        if not _finite(per) or not 0 < per <= 86400:
+            raise PolicyError(f"rate per must be more than 0 and at most a day (s), not {per!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> Rate:
+        """``"10/s"``, ``"100/m"``, ``"1000/h"``, ``"5000/d"``, ``"3/2s"``: starts per period."""
+        found = _RATE.fullmatch(text)
+        if found is None:
+            raise PolicyError(
+                f"rate must be a Rate or a string like '10/s', '100/m' or '3/2s', not {text!r}"
+            )
+        count, multiple, unit = found.groups()
+        try:
+            times = float(multiple) if multiple else 1.0
+        except ValueError:
+            raise PolicyError(f"rate {text!r}: {multiple!r} is not a number") from None
+        return cls(int(count), times * _UNITS[unit])
+
+    def __str__(self) -> str:
+        for unit, seconds in _UNITS.items():
+            if self.per == seconds:
+                return f"{self.count}/{unit}"
+        return f"{self.count}/{self.per:g}s"
+
+    def to_json(self) -> dict[str, float]:
+        return {"count": self.count, "per": self.per}
+
+
+def as_rate(rate: Rate | str | None) -> Rate | None:
+    """The agent's ``rate`` as declared: a :class:`Rate`, its string form, or None (no limit)."""
+    if rate is None or isinstance(rate, Rate):
+        return rate
+    if isinstance(rate, str):
+        return Rate.parse(rate)
+    raise PolicyError(f"rate must be a Rate or a string like '10/s', not {rate!r}")
+
+
+def check_concurrency(concurrency: int | None) -> None:
+    if concurrency is not None and not _whole(concurrency, 1, MAX_SLOTS):
+        raise PolicyError(
+            f"concurrency must be a whole number from 1 to {MAX_SLOTS}, not {concurrency!r}"
+        )

@@ -11,7 +11,9 @@ worker (G4).
 
 Every worker also sweeps calls past their deadline (G6, ``workers.sweeper``) and relays
 unpublished outbox rows. A message that cannot be used is dead-lettered with its reason (G9,
-``workers.intake``). The broker is reached only through its port (``workers.broker``).
+``workers.intake``). The broker is reached only through its port (``workers.broker``). A run
+of an agent with pool limits (``concurrency``, ``rate``) first takes its slots, and its task
+waits in the broker while they are full (``workers.limits``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from events import EventStore, OutboxMessage, StoreUnavailable, parse_subtask_id
 from events.codec import dumps
+from events.postgres import PostgresEventStore
 
 from . import tracing
 from .agent import AgentSpec, App
@@ -34,6 +37,7 @@ from .faults import FaultPlan
 from .flows import Flows, dispatch, kind_label
 from .flows.reply import handle_unstorable_reply, record_unroutable
 from .intake import Rejection, inspect
+from .limits import PoolLimits
 from .logs import log_context
 from .metrics import Health, Metrics
 from .observer import Observer, WorkerStats
@@ -41,6 +45,8 @@ from .outbox import OutboxPublisher
 from .recorder import Recorder, UnreadableStream
 from .settings import Settings
 from .settle import Disposition, Settled, Settler, attempt_of, dead, requeue
+from .slots import SlotLeases
+from .slots.postgres import PostgresSlotLeases
 from .sweeper import DeadlineSweeper
 from .wire import TYPE_RESULT, TYPE_RESUME, TYPE_TASK, Names, trace_id_of
 
@@ -58,7 +64,10 @@ class Worker:
     """One worker instance: every agent of ``app``, one competing consumer per queue.
 
     ``broker`` is the port to RabbitMQ; by default an aio-pika connection to
-    ``settings.amqp_url``.
+    ``settings.amqp_url``. ``slots`` is where the pool keeps the slots of its agents'
+    ``concurrency`` and ``rate`` (``workers.slots``), needed only when an agent declares one; by
+    default the table of the event log's database, when the log is in PostgreSQL. Every worker
+    of a pool must share it.
     """
 
     def __init__(
@@ -71,6 +80,7 @@ class Worker:
         faults: FaultPlan | None = None,
         clock: Callable[[], float] = time.time,
         metrics: Metrics | None = None,
+        slots: SlotLeases | None = None,
     ) -> None:
         self.app = app
         self.settings = settings
@@ -106,6 +116,7 @@ class Worker:
             cache_bytes=settings.stream_cache_bytes,
         )
         self.settler = Settler(self.broker, self.names, self.observer, settings.worker_id)
+        self.limits = self._pool_limits(slots)
         # plain `def` handlers: at most as many at once as the worker takes messages per queue
         self.threads = ThreadPoolExecutor(
             max_workers=settings.concurrency, thread_name_prefix="waystation-handler"
@@ -121,6 +132,7 @@ class Worker:
             faults,
             self.settler,
             self.threads,
+            self.limits,
         )
         self.sweeper = DeadlineSweeper(
             store,
@@ -136,6 +148,28 @@ class Worker:
         self._idle.set()
         self._started = False
         self._stopping = False
+
+    def _pool_limits(self, slots: SlotLeases | None) -> PoolLimits | None:
+        """The worker's part in the pool's limits; None when no agent of the app declares one
+        (then no slot is ever taken: nothing is paid for them)."""
+        if not any(spec.limited for spec in self.app.agents.values()):
+            return None
+        if slots is None:
+            if not isinstance(self.store, PostgresEventStore):
+                limited = sorted(n for n, spec in self.app.agents.items() if spec.limited)
+                raise ValueError(
+                    f"agents {limited} declare a concurrency or a rate: pass the pool's slots "
+                    "(Worker(..., slots=...), shared by every worker of the pool)"
+                )
+            slots = PostgresSlotLeases(self.store.engine)
+        return PoolLimits(
+            slots,
+            self.observer,
+            deployment=self.names.prefix,
+            worker_id=self.settings.worker_id,
+            lease_seconds=self.settings.slot_lease_seconds,
+            wait_max=self.settings.limit_wait_max,
+        )
 
     @property
     def stats(self) -> WorkerStats:
@@ -171,6 +205,9 @@ class Worker:
             loop.create_task(self.outbox.forget_published(), name="outbox-forget"),
             loop.create_task(self.sweeper.run(), name="deadline-sweeper"),
         ]
+        if any(spec.concurrency is not None for spec in self.app.agents.values()):
+            assert self.limits is not None
+            self._background.append(loop.create_task(self.limits.keep_leases(), name="leases"))
         log.info(
             "worker %s serving %s on %s",
             self.settings.worker_id,
@@ -201,6 +238,9 @@ class Worker:
                 await task
         await self.outbox.stop(self.settings.shutdown_grace)
         await self.broker.close()
+        if self.limits is not None:
+            # runs past the grace period: their messages are back in the queue
+            await self.limits.stop()
         # a plain handler still running after the grace period cannot be interrupted: its thread
         # finishes on its own, and its outcome is dropped (the message was not acked)
         self.threads.shutdown(wait=False, cancel_futures=True)

@@ -56,6 +56,12 @@ class Settings(BaseSettings):
     """Attempts of a task whose handler raises: after this many the task is recorded as failed,
     its publisher gets an error and the message is dead-lettered. Also the broker's policy
     ``delivery-limit``, which dead-letters a message that keeps killing its workers."""
+    slot_lease_seconds: float = Field(default=30.0, gt=0, le=3600)
+    """How long a run's concurrency slot stays taken without its worker renewing it (every third
+    of this): a worker that dies gives its slots back within this time (``workers.limits``)."""
+    limit_wait_max: float = Field(default=2.0, ge=0.1, le=3600)
+    """Longest wait in the broker between two tries of a task whose agent's concurrency is full
+    (its waits start at 0.1 s and double), in seconds."""
     broker_policy: Literal["auto", "rabbitmqctl", "management", "none"] = "auto"
     """How the worker applies the queue policy: ``rabbitmqctl`` on this host, ``management``
     through RabbitMQ's management API (compose), or ``none`` when the broker's definitions set

@@ -12,6 +12,9 @@ effect has committed (G1).
   carrying the number of failed runs (``x-waystation-attempts``), then the delivery is acked:
   Waystation counts attempts itself, so the count means the same on every broker version
   (RabbitMQ 4.3 no longer counts a requeue in ``x-delivery-count``).
+* A wait (a run that found no free slot of its agent's ``concurrency`` or ``rate``,
+  ``workers.limits``) is a copy sent back the same way, after its delay, carrying how often it
+  waited (``x-waystation-waits``) and its failed runs unchanged: waiting is not an attempt.
 
 When a copy cannot be published the delivery is requeued instead, so nothing is lost.
 """
@@ -36,6 +39,7 @@ from .wire import (
     HEADER_DETAIL,
     HEADER_QUEUE,
     HEADER_REASON,
+    HEADER_WAITS,
     Names,
     ResultEnvelope,
     result_message,
@@ -51,6 +55,9 @@ __all__ = [
     "dead",
     "requeue",
     "retry",
+    "sent_again",
+    "wait",
+    "waits_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -59,6 +66,7 @@ log = logging.getLogger(__name__)
 class Disposition(enum.Enum):
     ACK = "ack"
     RETRY = "retry"
+    WAIT = "wait"
     REQUEUE = "requeue"
     DEAD_LETTER = "dead-letter"
 
@@ -75,9 +83,10 @@ class Settled:
     tell_publisher: bool = False
     """Send the rejection to the delivery's ``reply_to`` as an error result."""
     failed_runs: int = 0
-    """For a retry: the runs of its handler that have failed so far, this one included."""
+    """For a retry: the runs of its handler that have failed so far, this one included. For a
+    wait: those before it (and the times the broker took it back unsettled)."""
     delay: float = 0.0
-    """For a retry: seconds it waits in the broker before it is delivered again."""
+    """For a retry or a wait: seconds it waits in the broker before it is delivered again."""
 
 
 def ack(checkpoint_started: float | None = None) -> Settled:
@@ -96,6 +105,10 @@ def retry(failed_runs: int, delay: float = 0.0) -> Settled:
     return Settled(Disposition.RETRY, failed_runs=failed_runs, delay=delay)
 
 
+def wait(failed_runs: int, delay: float) -> Settled:
+    return Settled(Disposition.WAIT, failed_runs=failed_runs, delay=delay)
+
+
 def crash_limit(delivery_limit: int) -> int:
     """How many times a message may come back unsettled (its worker died, or its connection
     dropped, while holding it) before it is taken for a poison message and failed."""
@@ -110,6 +123,25 @@ def attempt_of(delivery: Delivery) -> int:
     if not isinstance(failed, int) or isinstance(failed, bool) or not 0 <= failed < 1_000_000:
         failed = 0
     return 1 + failed + delivery.broker_count
+
+
+def waits_of(delivery: Delivery) -> int:
+    """How often this message already waited for a free slot (``x-waystation-waits``)."""
+    waits = delivery.headers.get(HEADER_WAITS, 0)
+    if not isinstance(waits, int) or isinstance(waits, bool) or not 0 <= waits < 1_000_000:
+        return 0
+    return waits
+
+
+def sent_again(delivery: Delivery) -> bool:
+    """Whether this message may have been handled before: the broker redelivered it, or it is a
+    copy a worker sent back (a retry, or a wait for a slot). A worker that died after sending
+    the copy but before acking the delivery leaves both, so only the log can tell."""
+    return (
+        delivery.redelivered
+        or HEADER_ATTEMPTS in delivery.headers
+        or HEADER_WAITS in delivery.headers
+    )
 
 
 def _copy(
@@ -174,8 +206,8 @@ class Settler:
         try:
             if settled.disposition is Disposition.ACK:
                 await self.broker.ack(delivery)
-            elif settled.disposition is Disposition.RETRY:
-                if not await self._send_back(delivery, settled.failed_runs, settled.delay):
+            elif settled.disposition in (Disposition.RETRY, Disposition.WAIT):
+                if not await self._send_back(delivery, settled):
                     await self.broker.requeue(delivery)
                     return
                 await self.broker.ack(delivery)
@@ -202,24 +234,34 @@ class Settler:
         )
         self.observer.settled(settled.disposition.value, checkpoint)
 
-    async def _send_back(self, delivery: Delivery, failed_runs: int, delay: float = 0.0) -> bool:
-        """Publish a copy of ``delivery`` to its own queue counting ``failed_runs``, to arrive
-        after ``delay`` seconds (waiting in the broker, not here); False if that failed (the
-        delivery is then requeued at once, and the broker's count carries on)."""
+    async def _send_back(self, delivery: Delivery, settled: Settled) -> bool:
+        """Publish a copy of ``delivery`` to its own queue counting its failed runs (and, for a
+        wait, one more wait), to arrive after its delay (waiting in the broker, not here); False
+        if that failed (the delivery is then requeued at once, and the broker's count carries
+        on)."""
         headers: dict[str, Any] = {
             key: value
             for key, value in delivery.headers.items()
             if key not in ("x-delivery-count", "x-acquired-count")
         }
-        headers[HEADER_ATTEMPTS] = failed_runs
+        if settled.disposition is Disposition.WAIT:
+            headers[HEADER_WAITS] = waits_of(delivery) + 1
+        if settled.failed_runs or settled.disposition is Disposition.RETRY:
+            headers[HEADER_ATTEMPTS] = settled.failed_runs
         copy = _copy(delivery, delivery.queue, headers, exchange="")
+        delay = settled.delay
         try:
             if delay > 0:
                 await self.broker.publish_later(copy, delay)
             else:
                 await self.broker.publish(copy)
         except BrokerError as error:
-            log.warning("could not retry %s (%s); requeueing it", delivery.message_id, error)
+            log.warning(
+                "could not send %s back (%s: %s); requeueing it",
+                delivery.message_id,
+                settled.disposition.value,
+                error,
+            )
             return False
         return True
 

@@ -45,6 +45,7 @@ __all__ = [
     "HEADER_REASON",
     "HEADER_ROOT",
     "HEADER_TRACE",
+    "HEADER_WAITS",
     "Names",
     "ResultEnvelope",
     "cancel_message",
@@ -69,6 +70,11 @@ HEADER_ATTEMPTS = "x-waystation-attempts"
 to the queue to retry a failed run, and on a resume message after a run in place failed.
 Waystation counts attempts itself with it, whatever the broker's own counters mean (RabbitMQ 4.3
 stopped counting a requeue in ``x-delivery-count``)."""
+
+HEADER_WAITS = "x-waystation-waits"
+"""How often this message waited in the broker for a free slot of its agent's ``concurrency`` or
+``rate`` (``workers.limits``): set by a worker on the copy it sends back instead of running it.
+Waiting is not an attempt; ``HEADER_ATTEMPTS`` goes on unchanged."""
 
 HEADER_REASON = "x-waystation-reason"
 """On a dead letter: why, as a machine-readable code (docs/failures.md)."""

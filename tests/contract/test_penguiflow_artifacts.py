@@ -30,14 +30,13 @@ import pytest_asyncio
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import inspect, text
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 import migrations
 from events import StoreUnavailable
 from events.postgres import create_engine
 
-from ..harness.database import fresh_database_url
+from ..harness.database import columns_migrated_and_declared, fresh_database_url
 from ..support import Capability, Services, eventually, require
 
 INSTALLED = importlib.util.find_spec("penguiflow") is not None
@@ -629,21 +628,12 @@ class TestPostgresBlobs(ArtifactStoreContract):
             await engine.dispose()
 
     async def test_the_table_definition_matches_the_migration(self, engine: AsyncEngine) -> None:
-        dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
-
-        def reflected(connection: Any) -> list[tuple[str, str, bool]]:
-            columns = inspect(connection).get_columns("penguiflow_artifacts")
-            return [(c["name"], str(c["type"].compile(dialect)), c["nullable"]) for c in columns]
-
+        migrated, declared = await columns_migrated_and_declared(engine, artifacts_table)
+        assert migrated == declared
         async with engine.connect() as connection:
-            migrated = await connection.run_sync(reflected)
             indexes = await connection.run_sync(
                 lambda sync: inspect(sync).get_indexes("penguiflow_artifacts")
             )
-        declared = [
-            (c.name, str(c.type.compile(dialect)), bool(c.nullable)) for c in artifacts_table.c
-        ]
-        assert migrated == declared
         assert sorted(tuple(index["column_names"]) for index in indexes) == [
             ("expires_at",),
             ("session_id",),

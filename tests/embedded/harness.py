@@ -1,4 +1,5 @@
-"""A world for one embedded test: an in-memory broker and store, workers, and a publisher."""
+"""A world for one embedded test: an in-memory broker, store and pool slots, workers, and a
+publisher."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from workers.broker import Delivery
 from workers.brokers.memory import InMemoryBroker, InMemoryConnection
 from workers.runtime import Worker
 from workers.settings import Settings
+from workers.slots.memory import MemorySlotLeases
 from workers.topology import policy_definition
 from workers.wire import CONTENT_TYPE, Names
 
@@ -51,6 +53,7 @@ class World:
         assert isinstance(limit, int)
         self.broker = InMemoryBroker(delivery_limit=limit, counting=counting)  # type: ignore[arg-type]
         self.store = InMemoryEventStore()
+        self.slots = MemorySlotLeases()
         self.workers: list[Worker] = []
         self.answers: dict[str, list[Any]] = defaultdict(list)
         self.publisher: InMemoryConnection = self.broker.connection("publisher")
@@ -61,6 +64,7 @@ class World:
             self.settings.model_copy(update={"worker_id": name}),
             self.store,
             broker=self.broker.connection(name),
+            slots=self.slots,
         )
         await worker.start()
         self.workers.append(worker)
@@ -105,6 +109,19 @@ class World:
     async def answer(self, correlation_id: str) -> Any:
         await eventually(lambda: bool(self.answers.get(correlation_id)), f"{correlation_id}")
         return self.answers[correlation_id][0]
+
+    async def taken_by_a_holder(self, queue: str) -> tuple[InMemoryConnection, list[Delivery]]:
+        """A connection of its own that takes ``queue``'s next delivery and holds it, unsettled
+        (``kill()`` it and the delivery is redelivered, as when a worker dies holding it)."""
+        holder = self.broker.connection("holder")
+        await holder.connect()
+        held: list[Delivery] = []
+
+        async def hold(delivery: Delivery) -> None:
+            held.append(delivery)
+
+        await holder.consume(queue, hold, prefetch=1)
+        return holder, held
 
     async def close(self) -> None:
         for worker in self.workers:

@@ -23,7 +23,6 @@ from events import (
 )
 from events.codec import dumps
 from workers.agent import App, TaskContext
-from workers.broker import Delivery
 from workers.observer import CHECKPOINT_SAMPLES, WorkerStats
 
 from .harness import World, eventually, world
@@ -81,14 +80,7 @@ async def test_a_redelivered_task_cancelled_before_it_was_recorded_tells_its_pub
     holder died), was acked silently: its publisher never heard anything."""
     runs: Counter[tuple[str, int]] = Counter()
     async with world(counting_app(runs)) as w:
-        holder = w.broker.connection("first holder")
-        await holder.connect()
-        held: list[Delivery] = []
-
-        async def hold(delivery: Delivery) -> None:
-            held.append(delivery)
-
-        await holder.consume(w.names.tasks("quick"), hold, prefetch=1)
+        holder, held = await w.taken_by_a_holder(w.names.tasks("quick"))
         task_id = await w.publish("quick", {})
         await eventually(lambda: bool(held), "the first holder to take the task")
         await holder.cancel_consumers()

@@ -17,12 +17,34 @@ import subprocess
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .processes import free_port, run_tool
 
 PG_TOOLS = ("pg_lsclusters", "pg_ctlcluster", "pg_createcluster", "pg_dropcluster")
+
+
+async def columns_migrated_and_declared(
+    engine: AsyncEngine, table: sa.Table
+) -> tuple[list[tuple[str, str, bool]], list[tuple[str, str, bool]]]:
+    """(name, type, nullable) of each column of ``table`` as the migrations made it in the
+    database, and as its ``sqlalchemy.Table`` declares it: a backend and its migration in step
+    give two equal lists."""
+    dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
+
+    def reflected(connection: Any) -> list[tuple[str, str, bool]]:
+        columns = sa.inspect(connection).get_columns(table.name)
+        return [(c["name"], str(c["type"].compile(dialect)), c["nullable"]) for c in columns]
+
+    async with engine.connect() as connection:
+        migrated = await connection.run_sync(reflected)
+    declared = [(c.name, str(c.type.compile(dialect)), bool(c.nullable)) for c in table.c]
+    return migrated, declared
 
 
 def with_database(url: str, name: str) -> str:

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -166,6 +166,27 @@ class WorkerProcess:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+@contextlib.contextmanager
+def app_workers(
+    settings: Settings,
+    app: str,
+    log_dir: Path,
+    env: Mapping[str, str] | None = None,
+    count: int = 3,
+) -> Iterator[list[WorkerProcess]]:
+    """``count`` workers of ``app`` configured as ``settings`` (``env`` on top), not started,
+    logging to ``log_dir/worker-<n>.log``; each is stopped (SIGTERM, then SIGKILL) at the end."""
+    processes = [
+        WorkerProcess.with_settings(settings, log_dir / f"worker-{n}.log", app=app, env=env)
+        for n in range(count)
+    ]
+    try:
+        yield processes
+    finally:
+        for process in processes:
+            process.stop(timeout=15)
 
 
 def stop_all(workers: Iterable[WorkerProcess], timeout: float = 30) -> dict[str, int | None]:

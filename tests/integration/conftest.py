@@ -1,10 +1,13 @@
-"""Fixtures of the integration tests: a plain AMQP channel, and cleanup of test-only agents."""
+"""Fixtures of the integration tests: a plain AMQP channel, cleanup of test-only agents, and the
+file test apps' workers write their runs to."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aio_pika
+import pytest
 import pytest_asyncio
 from aio_pika.abc import AbstractChannel
 
@@ -21,6 +24,12 @@ async def amqp_channel(services: Services) -> AsyncIterator[AbstractChannel]:
         yield await connection.channel(publisher_confirms=True, on_return_raises=True)
     finally:
         await connection.close()
+
+
+@pytest.fixture
+def runs_file(tmp_path: Path) -> Path:
+    """A file the worker processes of a test app write their runs to (``tests/apps``)."""
+    return tmp_path / "runs.txt"
 
 
 @pytest_asyncio.fixture

@@ -22,8 +22,8 @@ from workers.settings import Settings
 from workers.wire import Names
 
 from ..harness.clients import RecordingClient
-from ..harness.processes import ROOT, WorkerProcess, worker_environment, worker_logs
-from ..support import dead_letters, stream_types, wait_for_consumers
+from ..harness.processes import ROOT, WorkerProcess, app_workers, worker_environment, worker_logs
+from ..support import dead_letters, start_workers, stream_types
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -44,41 +44,17 @@ def runs(path: Path, task_id: str) -> list[tuple[float, float, int]]:
 
 
 @pytest.fixture
-def runs_file(tmp_path: Path) -> Path:
-    return tmp_path / "runs.txt"
-
-
-@pytest.fixture
 def workers(
     settings: Settings, extra_agents: list[str], runs_file: Path, tmp_path: Path
 ) -> Iterator[list[WorkerProcess]]:
     extra_agents.extend(AGENTS)
-    processes = [
-        WorkerProcess.with_settings(
-            settings,
-            tmp_path / f"worker-{n}.log",
-            app=APP,
-            env={"POLICY_RUNS": str(runs_file)},
-        )
-        for n in range(3)
-    ]
-    try:
+    with app_workers(settings, APP, tmp_path, {"POLICY_RUNS": str(runs_file)}) as processes:
         yield processes
-    finally:
-        for process in processes:
-            process.stop(timeout=15)
 
 
 async def start(settings: Settings, workers: list[WorkerProcess]) -> None:
     names = Names(settings.queue_prefix)
-    for worker in workers:
-        worker.start()
-    await wait_for_consumers(
-        settings.amqp_url,
-        [names.tasks(agent) for agent in AGENTS],
-        len(workers),
-        alive=lambda: all(w.alive() for w in workers),
-    )
+    await start_workers(settings, workers, [names.tasks(agent) for agent in AGENTS])
 
 
 async def test_retries_are_spaced_by_their_backoff_across_three_workers(
@@ -163,11 +139,14 @@ def test_waystation_agents_lists_each_agent_with_its_policies(settings: Settings
     }
     assert by_agent["slow"]["time_limit"] == 1.0
     assert by_agent["refuses"]["retries"] == 5
+    # no pool limits unless declared (tests/integration/test_pool_limits.py lists some)
+    assert {(row["concurrency"], row["rate"]) for row in by_agent.values()} == {(None, None)}
     table = waystation(settings, "agents", "--app", APP)
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
     assert lines[0].split()[:2] == ["agent", "retries"]
     assert any(line.split()[:2] == ["slow", "1"] and "1s" in line for line in lines)
+    assert lines[0].split()[-3:] == ["concurrency", "rate", "calls"]
     # the default app: retries from WAYSTATION_DELIVERY_LIMIT
     default = waystation(settings, "agents", "--json")
     assert {row["retries"] for row in json.loads(default.stdout)["agents"]} == {

@@ -13,6 +13,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import orjson
 import pytest
 import pytest_asyncio
 
@@ -126,3 +127,31 @@ async def test_the_node_publisher_prints_what_the_readme_shows(
     }
     printed = await _run(["node", "publish.js"], readme_worker, environment)
     assert printed == output.code
+
+
+def test_the_policies_example_declares_what_its_comments_say(tmp_path: Path) -> None:
+    """The README's policies module, as ``waystation agents --app policies:app --json`` (the
+    command it names) reads it from the directory that holds it."""
+    assert "`waystation agents --app policies:app`" in TEXT
+    policies, _ = block_after(TEXT, "# policies.py")
+    (tmp_path / "policies.py").write_text(policies.code)
+    listed = subprocess.run(
+        [sys.executable, "-m", "workers.cli", "agents", "--app", "policies:app", "--json"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert listed.returncode == 0, listed.stderr
+    (quote,) = orjson.loads(listed.stdout)["agents"]
+    assert quote == {
+        "agent": "quote",
+        "retries": 3,
+        "backoff": {"initial": 1, "factor": 2, "maximum": 30, "jitter": 0.1},
+        "time_limit": 20,
+        "concurrency": 2,
+        "rate": {"count": 10, "per": 60},
+        "default_call_timeout": None,
+    }

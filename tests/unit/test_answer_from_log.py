@@ -12,7 +12,7 @@ from events import TaskState
 from events.codec import loads
 from workers.broker import Delivery
 from workers.flows.task import _answer_from_log, recorded_outcome
-from workers.wire import HEADER_ATTEMPTS, HEADER_ROOT
+from workers.wire import HEADER_ATTEMPTS, HEADER_ROOT, HEADER_WAITS
 
 FIRST = {"reply_to": "q.first", "correlation_id": "t"}
 
@@ -36,6 +36,8 @@ def test_a_resend_from_the_same_publisher_is_answered_but_not_its_redelivery_or_
     assert _answer_from_log(delivery(**FIRST), finished())
     assert not _answer_from_log(delivery(**FIRST, redelivered=True), finished())
     assert not _answer_from_log(delivery(**FIRST, headers={HEADER_ATTEMPTS: 1}), finished())
+    # nor a copy that waited for a slot of the pool (its original may have been recorded)
+    assert not _answer_from_log(delivery(**FIRST, headers={HEADER_WAITS: 1}), finished())
 
 
 def test_a_repeated_call_of_another_task_is_not_answered() -> None:

@@ -74,6 +74,7 @@ WORKERS_API = [
     "Pause",
     "Permanent",
     "PolicyError",
+    "Rate",
     "Settings",
     "TaskContext",
     "TaskResult",

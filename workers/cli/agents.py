@@ -23,8 +23,9 @@ __all__ = ["agents"]
 def agents(app_path: str, as_json: bool) -> None:
     """List the agents of the app with their policies: retries (after the first run; the
     default is WAYSTATION_DELIVERY_LIMIT - 1), the backoff between them (spent waiting in the
-    broker), the time limit of one run, and the default deadline of their calls. A policy that
-    cannot work fails here, as it does when a worker starts."""
+    broker), the time limit of one run, the most runs at once and starts per period across the
+    pool (concurrency, rate; none by default), and the default deadline of their calls. A policy
+    that cannot work fails here, as it does when a worker starts."""
     from ..agent import App
 
     app = load_app(app_path)  # a policy that cannot work: a usage error naming it
@@ -35,13 +36,23 @@ def agents(app_path: str, as_json: bool) -> None:
     if as_json:
         click.echo(dumps({"agents": rows}).decode())
         return
-    header = ("agent", "retries", "backoff (initial×factor≤max ±jitter)", "time limit", "calls")
+    header = (
+        "agent",
+        "retries",
+        "backoff (initial×factor≤max ±jitter)",
+        "time limit",
+        "concurrency",
+        "rate",
+        "calls",
+    )
     table = [header] + [
         (
             row["agent"],
             str(row["retries"]),
             "{initial:g}s×{factor:g}≤{maximum:g}s ±{jitter:.0%}".format(**row["backoff"]),
             f"{row['time_limit']:g}s" if row["time_limit"] is not None else "none",
+            str(row["concurrency"]) if row["concurrency"] is not None else "none",
+            str(app.agents[row["agent"]].rate or "none"),
             f"{row['default_call_timeout']:g}s"
             if row["default_call_timeout"] is not None
             else f"{settings.default_call_timeout:g}s (default)",

@@ -98,11 +98,14 @@ async def _serve(app: Any, settings: Settings) -> None:
 
     from ..metrics import HttpServer, Metrics, database_gauges
     from ..runtime import Worker
+    from ..slots.postgres import PostgresSlotLeases
 
     metrics = Metrics()
     await migrations.upgrade(settings.database_url)
     store = PostgresEventStore.from_url(settings.database_url, pool_size=settings.db_pool_size)
-    instance = Worker(app, settings, store, metrics=metrics)
+    # the pool's limits live beside the log, in its database
+    slots = PostgresSlotLeases(store.engine)
+    instance = Worker(app, settings, store, metrics=metrics, slots=slots)
     server = HttpServer(
         metrics,
         instance.health,

@@ -30,11 +30,12 @@ from .. import tracing
 from ..agent import AgentSpec, App, TaskContext
 from ..broker import Broker, Delivery
 from ..faults import FaultPlan
+from ..limits import UNLIMITED, Admission, PoolLimits
 from ..observer import Observer
 from ..policies import Backoff, Permanent, TimeLimitExceeded
 from ..recorder import Cause, Recorder
 from ..settings import Settings
-from ..settle import Settled, Settler, attempt_of, crash_limit, dead, retry
+from ..settle import Settled, Settler, attempt_of, crash_limit, dead, retry, wait, waits_of
 from ..wire import Names, ResultEnvelope, result_message
 
 __all__ = [
@@ -141,6 +142,8 @@ class Flows:
     settler: Settler
     threads: Executor | None = None
     """Where plain ``def`` handlers run (None: the event loop's default executor)."""
+    limits: PoolLimits | None = None
+    """The pool's limits, when an agent of the app declares one (``workers.limits``)."""
 
     def default_timeout(self, spec: AgentSpec) -> float:
         return spec.default_timeout or self.settings.default_call_timeout
@@ -152,21 +155,49 @@ class Flows:
             return await self._run_in_thread(spec, context)
         return await spec.handler(context)  # type: ignore[misc]
 
-    async def run_handler(self, spec: AgentSpec, context: TaskContext) -> Outcome:
-        with tracing.run(context.task_id, spec.name, context.pause, context.trace_id):
-            if spec.time_limit is None:
-                outcome = await self._invoke(spec, context)
-            else:
-                try:
-                    async with asyncio.timeout(spec.time_limit) as limit:
-                        outcome = await self._invoke(spec, context)
-                except TimeoutError:
-                    if not limit.expired():
-                        raise  # the handler's own timeout, not its time limit
-                    raise TimeLimitExceeded(
-                        f"the run took longer than {spec.name!r}'s time_limit of "
-                        f"{spec.time_limit:g}s"
-                    ) from None
+    async def admit(self, spec: AgentSpec, delivery: Delivery, task_id: str) -> Admission | Settled:
+        """The slots of a run of ``task_id`` when its agent has pool limits
+        (``workers.limits``); when one is full, what becomes of ``delivery`` instead: it waits in
+        the broker, its attempts untouched. An agent without limits is admitted at once, and so
+        is a delivery out of attempts (it fails without running)."""
+        if self.limits is None or not spec.limited or self.out_of_attempts(delivery):
+            return UNLIMITED
+        found = await self.limits.admit(spec, task_id, waits_of(delivery))
+        if isinstance(found, Admission):
+            return found
+        log.info(
+            "task %s waits %.2fs in the broker: %s's %s is full",
+            task_id,
+            found.seconds,
+            spec.name,
+            found.limit,
+        )
+        self.observer.waited(spec.name, found.limit)
+        return wait(attempt_of(delivery) - 1, found.seconds)
+
+    async def run_handler(
+        self, spec: AgentSpec, context: TaskContext, admission: Admission = UNLIMITED
+    ) -> Outcome:
+        """One run of ``spec``'s handler within its time limit; the slots of ``admission`` are
+        given back when it ends, however it ends."""
+        try:
+            with tracing.run(context.task_id, spec.name, context.pause, context.trace_id):
+                if spec.time_limit is None:
+                    outcome = await self._invoke(spec, context)
+                else:
+                    try:
+                        async with asyncio.timeout(spec.time_limit) as limit:
+                            outcome = await self._invoke(spec, context)
+                    except TimeoutError:
+                        if not limit.expired():
+                            raise  # the handler's own timeout, not its time limit
+                        raise TimeLimitExceeded(
+                            f"the run took longer than {spec.name!r}'s time_limit of "
+                            f"{spec.time_limit:g}s"
+                        ) from None
+        finally:
+            if admission.runs and self.limits is not None:
+                await self.limits.release(admission)
         if not isinstance(outcome, (Complete, Pause)):
             raise InvalidTransition(
                 f"handler {spec.name!r} returned {type(outcome).__name__}, not Complete or Pause"

@@ -150,15 +150,17 @@ async def _resume_in_place(
     that its outcome joins the same append.
 
     None leaves the decision as it was (``TaskResumed`` and a resume message, which any instance
-    serving the agent takes): when resuming in place is off, or when this worker does not serve
-    the task's agent. When the handler raises or returns something invalid, the decision stays
-    too, and its resume message counts that failed run, so that retries and the final failure
-    follow the resume path within the same delivery limit.
+    serving the agent takes): when resuming in place is off, when this worker does not serve
+    the task's agent, or when the agent has pool limits (its resumed run must take its slots,
+    and wait in the broker when they are full, as every run of it does: ``workers.limits``).
+    When the handler raises or returns something invalid, the decision stays too, and its
+    resume message counts that failed run, so that retries and the final failure follow the
+    resume path within the same delivery limit.
     """
     if not (flows.settings.resume_in_place and events and isinstance(events[-1], TaskResumed)):
         return None
     spec = flows.app.agents.get(state.agent or "")
-    if spec is None:
+    if spec is None or spec.limited:
         return None
     decided_at = flows.clock()
     metadata = flows.recorder.metadata(state, cause)

@@ -35,11 +35,14 @@ async def handle_resume(flows: Flows, delivery: Delivery, spec: AgentSpec, body:
         log.info("resume of %s from pause %d: nothing to do (%s)", task_id, pause, state.status)
         flows.observer.duplicate("duplicate_resumes")
         return ack()
+    admission = await flows.admit(spec, delivery, task_id)
+    if isinstance(admission, Settled):
+        return admission  # a limit of the pool is full: the resume waits in the broker
     try:
         spent = flows.out_of_attempts(delivery)
         if spent is not None:
             raise spent
-        outcome = await flows.run_handler(spec, resume_context(spec, state))
+        outcome = await flows.run_handler(spec, resume_context(spec, state), admission)
     except Exception as error:
         return await flows.handler_failed(delivery, state, error, spec=spec)
     returned_at = time.perf_counter()

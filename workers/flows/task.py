@@ -21,9 +21,8 @@ from events import Complete, Pause, TaskStarted, TaskState, VersionConflict, dec
 from ..agent import AgentSpec, TaskContext
 from ..broker import Delivery
 from ..recorder import Cause
-from ..settle import Settled, ack, dead
+from ..settle import Settled, ack, dead, sent_again
 from ..wire import (
-    HEADER_ATTEMPTS,
     HEADER_ROOT,
     HEADER_TRACE,
     ResultEnvelope,
@@ -43,14 +42,15 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
         return dead(
             "missing-property", "a task needs a message_id (its task id)", tell_publisher=True
         )
-    again = delivery.redelivered or HEADER_ATTEMPTS in delivery.headers
+    again = sent_again(delivery)
     root_id = str(delivery.headers.get(HEADER_ROOT) or task_id)
     if again or root_id == task_id:
-        # it may have been recorded already: by its first holder, or by the run a retry of
-        # its own came from (a worker that died between retrying and acking leaves both). And
-        # a task a publisher submitted (a root) may be a resend of one that already finished:
-        # it is answered from the log, not run again. (A call of another task skips this read:
-        # its caller sends each call once, and records a repeated answer as a duplicate.)
+        # it may have been recorded already: by its first holder, or by the run a retry (or a
+        # wait for a slot) of its own came from (a worker that died between sending the copy
+        # and acking leaves both). And a task a publisher submitted (a root) may be a resend of
+        # one that already finished: it is answered from the log, not run again. (A call of
+        # another task skips this read: its caller sends each call once, and records a
+        # repeated answer as a duplicate.)
         recorded = await flows.recorder.load(task_id)
         if recorded.exists:
             return await _already_recorded(flows, delivery, recorded)
@@ -85,11 +85,14 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
         trace_id=trace_id,
         root_task_id=root_id,
     )
+    admission = await flows.admit(spec, delivery, task_id)
+    if isinstance(admission, Settled):
+        return admission  # a limit of the pool is full: the task waits in the broker
     try:
         spent = flows.out_of_attempts(delivery)
         if spent is not None:
             raise spent
-        outcome = await flows.run_handler(spec, context)
+        outcome = await flows.run_handler(spec, context, admission)
         returned_at = time.perf_counter()
         events = decide_outcome(
             state,
@@ -97,10 +100,10 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
             now=flows.clock(),
             default_timeout=flows.default_timeout(spec),
             start=start,
-            # a completion is recorded with auditing on, and when this delivery is a retry or a
-            # redelivery: another run of the same task (the line a dying worker's retry left,
-            # or the run that died) may be failing or answering meanwhile, and only the log can
-            # settle which answer stands
+            # a completion is recorded with auditing on, and when this delivery is a retry, a
+            # wait's copy or a redelivery: another run of the same task (the copy a dying
+            # worker left, or the run that died) may be failing or answering meanwhile, and
+            # only the log can settle which answer stands
             record_completion=flows.settings.audit_all_tasks or again,
             max_timeout=flows.settings.max_call_duration,
             max_state_bytes=flows.settings.max_state_bytes,
@@ -189,6 +192,6 @@ def _answer_from_log(delivery: Delivery, state: TaskState) -> bool:
     ) == (delivery.correlation_id or state.task_id)
     if not same_publisher:
         return True
-    again = delivery.redelivered or HEADER_ATTEMPTS in delivery.headers
+    again = sent_again(delivery)
     root = str(delivery.headers.get(HEADER_ROOT) or state.task_id) == state.task_id
     return root and not again
