@@ -364,33 +364,24 @@ def decide_outcome(
     if state.status == "new":
         if start is None:
             raise InvalidTransition("a new task needs its TaskStarted")
-        if isinstance(outcome, Complete):
-            return [start, TaskCompleted(result=outcome.result)] if record_completion else []
-        return [
-            start,
-            _pause(
-                state,
-                outcome,
-                now=now,
-                default_timeout=default_timeout,
-                max_timeout=max_timeout,
-                max_state_bytes=max_state_bytes,
-            ),
-        ]
-    if state.status != "resumed":
+        if isinstance(outcome, Complete) and not record_completion:
+            return []
+        first: list[DomainEvent] = [start]
+    elif state.status == "resumed":
+        first = []
+    else:
         raise InvalidTransition(f"task {state.task_id} is {state.status}, not running")
     if isinstance(outcome, Complete):
-        return [TaskCompleted(result=outcome.result)]
-    return [
-        _pause(
-            state,
-            outcome,
-            now=now,
-            default_timeout=default_timeout,
-            max_timeout=max_timeout,
-            max_state_bytes=max_state_bytes,
-        )
-    ]
+        return [*first, TaskCompleted(result=outcome.result)]
+    pause = _pause(
+        state,
+        outcome,
+        now=now,
+        default_timeout=default_timeout,
+        max_timeout=max_timeout,
+        max_state_bytes=max_state_bytes,
+    )
+    return [*first, pause]
 
 
 def _pause(

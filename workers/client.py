@@ -158,17 +158,30 @@ class Client:
         trace_id: str | None = None,
     ) -> str:
         """Publish a task to ``agent``; returns its task id once the broker has confirmed it."""
-        if self._channel is None or self._reply_queue is None:
-            raise RuntimeError("the client is not connected")
         task_id = task_id or str(uuid.uuid4())
         headers: dict[str, FieldValue] | None = {HEADER_TRACE: trace_id} if trace_id else None
+        await self._publish(agent, TYPE_TASK, task_id, dumps(input), headers)
+        return task_id
+
+    async def _publish(
+        self,
+        agent: str,
+        kind: str,
+        message_id: str,
+        body: bytes,
+        headers: dict[str, FieldValue] | None = None,
+    ) -> None:
+        """Publish a persistent, mandatory ``kind`` message to ``agent``'s queue, its answer due
+        on this client's reply queue under ``message_id``; returns once the broker confirmed."""
+        if self._channel is None or self._reply_queue is None:
+            raise RuntimeError("the client is not connected")
         await self._channel.default_exchange.publish(
             aio_pika.Message(
-                dumps(input),
-                message_id=task_id,
-                correlation_id=task_id,
+                body,
+                message_id=message_id,
+                correlation_id=message_id,
                 reply_to=self._reply_queue.name,
-                type=TYPE_TASK,
+                type=kind,
                 content_type=CONTENT_TYPE,
                 headers=headers,
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
@@ -176,29 +189,14 @@ class Client:
             routing_key=self.names.tasks(agent),
             mandatory=True,
         )
-        return task_id
 
     async def _request(
         self, kind: str, agent: str, body: dict[str, Any], timeout: float | None
     ) -> TaskResult:
         """Publish a ``kind`` request about ``body["task_id"]`` to ``agent``'s queue and wait for
         the worker's answer on this client's reply queue."""
-        if self._channel is None or self._reply_queue is None:
-            raise RuntimeError("the client is not connected")
         request_id = f"{kind}:{body['task_id']}:{uuid.uuid4()}"
-        await self._channel.default_exchange.publish(
-            aio_pika.Message(
-                dumps(body),
-                message_id=request_id,
-                correlation_id=request_id,
-                reply_to=self._reply_queue.name,
-                type=kind,
-                content_type=CONTENT_TYPE,
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            ),
-            routing_key=self.names.tasks(agent),
-            mandatory=True,
-        )
+        await self._publish(agent, kind, request_id, dumps(body))
         try:
             return await self._wait(request_id, timeout)
         finally:
