@@ -77,14 +77,19 @@ from _bench.rebuild import rebuild_benchmark
 from _bench.report import fmt, memory_parents, print_report, summarise
 
 import migrations
-from tests.harness.broker import delete_topology, queue_depths, topology_queues, wait_for_consumers
+from tests.harness.broker import (
+    delete_topology,
+    deployment_names,
+    queue_depths,
+    topology_queues,
+    wait_for_consumers,
+)
 from tests.harness.database import with_database
 from tests.harness.processes import ROOT, WorkerProcess, log_problems, stop_all
 from workers.client import Client
 from workers.example import app as example_app
 from workers.example import expected_total
 from workers.settings import Settings
-from workers.wire import Names
 
 AGENTS = tuple(example_app.agents)
 SINGLE_WARMUP = 20
@@ -383,7 +388,7 @@ class Bench:
         """
         session = Session(label)
         database = database_url.rsplit("/", 1)[1]
-        names = Names(prefix)
+        names = deployment_names(prefix)
         broker_before = broker_counters()
         db_before = await database_counters(self.admin_url, database)
         self._start_workers(session, database_url, prefix)

@@ -66,6 +66,7 @@ from tests.harness.broker import (
     broker_connections,
     busy_queues,
     close_all_broker_connections,
+    deployment_names,
     temporary_vhost,
 )
 from tests.harness.checks import LogFigures, ResultFigures, log_figures, result_figures
@@ -83,7 +84,6 @@ from tests.harness.processes import (
 from workers.deadletters import browse
 from workers.example import expected_total
 from workers.settings import Settings
-from workers.wire import Names
 
 K = 3
 ROUNDS = 2
@@ -183,7 +183,7 @@ class Chaos:
         self.logs = Path(tempfile.mkdtemp(prefix="waystation-chaos-"))
         self.stack = contextlib.AsyncExitStack()
         self.victims = random.Random(args.seed + 1)
-        self.names = Names(PREFIX)
+        self.names = deployment_names(PREFIX)
         self.amqp_url = ""
         self.vhost = ""
         self.database_url = ""

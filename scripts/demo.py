@@ -56,7 +56,12 @@ import migrations
 from events import GENESIS_HASH, chain_hash
 from events.postgres import PostgresEventStore
 from projections.postgres import projection_status
-from tests.harness.broker import delete_topology, topology_queues, wait_for_consumers
+from tests.harness.broker import (
+    delete_topology,
+    deployment_names,
+    topology_queues,
+    wait_for_consumers,
+)
 from tests.harness.checks import unplanned_streams
 from tests.harness.database import with_database
 from tests.harness.processes import (
@@ -72,7 +77,6 @@ from workers.client import Client
 from workers.example import app as example_app
 from workers.example import expected_total
 from workers.settings import Settings
-from workers.wire import Names
 
 TASKS = 500
 K = 3
@@ -110,7 +114,7 @@ class Demo:
         base = Settings()
         self.amqp_url = base.amqp_url
         self.database_url = with_database(base.database_url, DATABASE)
-        self.names = Names(PREFIX)
+        self.names = deployment_names(PREFIX)
         self.logs = Path(tempfile.mkdtemp(prefix="waystation-demo-"))
         self.workers: list[WorkerProcess] = []
         self.runner: WorkerProcess | None = None

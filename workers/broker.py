@@ -12,7 +12,9 @@ Contract (the shared suite in ``tests/contract/test_broker.py`` runs it against 
   ``queue``, at most ``prefetch`` unsettled at once, each in a task of its own. Delivery order
   is the queue's order; a delivery that returns to its queue comes again with
   ``redelivered=True``. ``cancel_consumers()`` stops new deliveries (unsettled ones stay
-  settleable).
+  settleable). A delivery goes to a consumer of the highest ``priority`` among the queue's
+  consumers with room (round robin among equals): a lower one gets deliveries only while every
+  higher one holds its ``prefetch`` (RabbitMQ's consumer priorities, ``x-priority``).
 * ``publish(message)`` sends a persistent, mandatory message and returns once the broker has
   confirmed it. It raises :class:`Unroutable` when no queue took it (the broker returned it),
   :class:`PublishRefused` when the broker refused it, and :class:`BrokerUnavailable` when the
@@ -132,8 +134,10 @@ class Broker(abc.ABC):
         """Declare the deployment's queues and dead-letter exchange (idempotent)."""
 
     @abc.abstractmethod
-    async def consume(self, queue: str, handler: DeliveryHandler, *, prefetch: int) -> None:
-        """Start handing ``queue``'s deliveries to ``handler``."""
+    async def consume(
+        self, queue: str, handler: DeliveryHandler, *, prefetch: int, priority: int = 0
+    ) -> None:
+        """Start handing ``queue``'s deliveries to ``handler`` (see the contract)."""
 
     @abc.abstractmethod
     async def cancel_consumers(self) -> None:

@@ -221,7 +221,11 @@ class Recorder:
         faults: FaultPlan,
         stopping: Callable[[], bool] = lambda: False,
         cache_bytes: int = 32 * 1024 * 1024,
+        reply_to: Callable[[str], str] | None = None,
     ) -> None:
+        self.reply_to = reply_to
+        """Where the requests of a pause of an agent's task ask for their replies (this
+        worker's reply shard, ``workers.routing``); None: the agent's shared reply queue."""
         self.stopping = stopping
         """True once the worker is stopping: an append then gives up on an outage."""
         self.store = store
@@ -397,7 +401,8 @@ class Recorder:
             NewEvent.of(event_id(state.task_id, causation_key, index), event, metadata)
             for index, event in enumerate(events)
         ]
-        messages = implied_messages(self.names, state, events)
+        reply_to = self.reply_to(state.agent) if self.reply_to and state.agent else None
+        messages = implied_messages(self.names, state, events, reply_to)
         if resume_attempts:
             messages = [
                 with_attempts(m, resume_attempts) if m.properties.get("type") == TYPE_RESUME else m

@@ -43,6 +43,7 @@ from .metrics import Health, Metrics
 from .observer import Observer, WorkerStats
 from .outbox import OutboxPublisher
 from .recorder import Recorder, UnreadableStream
+from .routing import ReplyRoutes
 from .settings import Settings
 from .settle import Disposition, Settled, Settler, attempt_of, dead, requeue
 from .slots import SlotLeases
@@ -85,7 +86,7 @@ class Worker:
         self.app = app
         self.settings = settings
         self.store = store
-        self.names = Names(settings.queue_prefix)
+        self.names = Names(settings.queue_prefix, settings.reply_shards)
         self.broker = broker or AmqpBroker(
             settings.amqp_url,
             connection_name=f"waystation worker {settings.worker_id}",
@@ -117,6 +118,14 @@ class Worker:
         )
         self.settler = Settler(self.broker, self.names, self.observer, settings.worker_id)
         self.limits = self._pool_limits(slots)
+        self.routes = ReplyRoutes(
+            self.names,
+            settings.worker_id,
+            app.agents,
+            slots=self._shared_slots(slots),
+            lease_seconds=settings.slot_lease_seconds,
+        )
+        self.recorder.reply_to = self.routes.reply_to
         # plain `def` handlers: at most as many at once as the worker takes messages per queue
         self.threads = ThreadPoolExecutor(
             max_workers=settings.concurrency, thread_name_prefix="waystation-handler"
@@ -148,6 +157,15 @@ class Worker:
         self._idle.set()
         self._started = False
         self._stopping = False
+
+    def _shared_slots(self, slots: SlotLeases | None) -> SlotLeases | None:
+        """The pool's slot table: the one given, else the event log's database's (None for a
+        log elsewhere: then nothing is shared, and a worker's reply home is not claimed)."""
+        if slots is not None:
+            return slots
+        if isinstance(self.store, PostgresEventStore):
+            return PostgresSlotLeases(self.store.engine)
+        return None
 
     def _pool_limits(self, slots: SlotLeases | None) -> PoolLimits | None:
         """The worker's part in the pool's limits; None when no agent of the app declares one
@@ -186,24 +204,33 @@ class Worker:
         tracing.configure()
         await self.broker.connect()
         await self.broker.declare(self.names, self.app.agents)
+        await self.routes.claim_homes()
         for name, spec in self.app.agents.items():
-            for queue, kind in (
-                (self.names.tasks(name), "tasks"),
-                (self.names.replies(name), "replies"),
-            ):
+            queues = [
+                (self.names.tasks(name), "tasks", 0),
+                (self.names.replies(name), "replies", 0),
+            ]
+            queues += [
+                (self.names.reply_shard(name, shard), "replies", self.routes.priority(name, shard))
+                for shard in range(self.names.reply_shards)
+            ]
+            for queue, kind, priority in queues:
 
                 async def on_delivery(
                     delivery: Delivery, spec: AgentSpec = spec, kind: str = kind
                 ) -> None:
                     await self._on_delivery(delivery, spec, kind)
 
-                await self.broker.consume(queue, on_delivery, prefetch=self.settings.concurrency)
+                await self.broker.consume(
+                    queue, on_delivery, prefetch=self.settings.concurrency, priority=priority
+                )
         self._started = True
         loop = asyncio.get_running_loop()
         self._background = [
             loop.create_task(self.outbox.relay(), name="outbox-relay"),
             loop.create_task(self.outbox.forget_published(), name="outbox-forget"),
             loop.create_task(self.sweeper.run(), name="deadline-sweeper"),
+            loop.create_task(self.routes.keep_claims(), name="reply-homes"),
         ]
         if any(spec.concurrency is not None for spec in self.app.agents.values()):
             assert self.limits is not None
@@ -238,6 +265,7 @@ class Worker:
                 await task
         await self.outbox.stop(self.settings.shutdown_grace)
         await self.broker.close()
+        await self.routes.give_back()
         if self.limits is not None:
             # runs past the grace period: their messages are back in the queue
             await self.limits.stop()

@@ -45,6 +45,11 @@ class Settings(BaseSettings):
     max_state_bytes: int = Field(default=1024 * 1024, ge=1)
     """Largest agent state (canonical JSON) a pause may leave: a ``Pause(update=...)`` past it
     fails the task (``StateTooLarge``), without retries."""
+    reply_shards: int = Field(default=4, ge=0, le=64)
+    """Reply shards per agent (``workers.routing``): a pause's replies come back to the worker
+    that recorded it, which then decides from its own copy of the stream, without conflicts.
+    Use at least as many as workers serving an agent; 0 turns routing off. Lower it only when
+    no task is paused: replies waiting in a shard past the new count are not consumed."""
     resume_in_place: bool = True
     """The worker that records a pause's last reply runs the resumed handler at once and appends
     its outcome with that reply (no resume message; docs/performance.md). Off: every resume

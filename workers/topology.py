@@ -43,7 +43,8 @@ QUORUM: FieldTable = {"x-queue-type": "quorum"}
 
 
 async def declare(channel: AbstractChannel, names: Names, agents: Iterable[str]) -> None:
-    """Declare the dead-letter exchange and queue, and each agent's task and reply queues."""
+    """Declare the dead-letter exchange and queue, and each agent's task and reply queues (with
+    its reply shards)."""
     dlx = await channel.declare_exchange(
         names.dead_letter_exchange, aio_pika.ExchangeType.FANOUT, durable=True
     )
@@ -51,7 +52,8 @@ async def declare(channel: AbstractChannel, names: Names, agents: Iterable[str])
     await dead.bind(dlx)
     for agent in agents:
         await channel.declare_queue(names.tasks(agent), durable=True, arguments=QUORUM)
-        await channel.declare_queue(names.replies(agent), durable=True, arguments=QUORUM)
+        for queue in names.reply_queues(agent):
+            await channel.declare_queue(queue, durable=True, arguments=QUORUM)
 
 
 def wait_queue_arguments(milliseconds: int) -> FieldTable:

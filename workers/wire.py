@@ -8,6 +8,8 @@ Queues (``P`` is the queue prefix, ``waystation.`` by default):
 
 * ``P<agent>``          quorum queue of an agent's tasks and resumes (the consumer group)
 * ``P<agent>.replies``  quorum queue of the replies to that agent's peer calls
+* ``P<agent>.replies.<n>``  its reply shards (``workers.routing``): a peer request's ``reply_to``
+  names one, so that the replies come back to the worker that paused the task
 * ``P dead-letter``     quorum queue behind the dead-letter exchange ``Pdlx`` (fanout)
 
 Message ``type`` property: on ``P<agent>``: ``task`` (default when absent), ``cancel``,
@@ -92,15 +94,28 @@ TYPE_PROGRESS = "progress"
 
 @dataclass(frozen=True, slots=True)
 class Names:
-    """The broker names of one deployment (one queue prefix)."""
+    """The broker names of one deployment (one queue prefix), with its reply shards
+    (``workers.routing``; 0: none)."""
 
     prefix: str = "waystation."
+    reply_shards: int = 0
 
     def tasks(self, agent: str) -> str:
         return f"{self.prefix}{agent}"
 
     def replies(self, agent: str) -> str:
         return f"{self.prefix}{agent}.replies"
+
+    def reply_shard(self, agent: str, shard: int) -> str:
+        """One of the agent's reply shards, where the replies to one worker's pauses go."""
+        return f"{self.prefix}{agent}.replies.{shard}"
+
+    def reply_queues(self, agent: str) -> list[str]:
+        """Every queue a reply to ``agent`` may come on: the shared one, then the shards."""
+        return [
+            self.replies(agent),
+            *(self.reply_shard(agent, n) for n in range(self.reply_shards)),
+        ]
 
     @property
     def dead_letter_exchange(self) -> str:
@@ -243,12 +258,17 @@ def _resumed_here(following: Sequence[DomainEvent]) -> bool:
 
 
 def implied_messages(
-    names: Names, state: TaskState, events: Sequence[DomainEvent]
+    names: Names,
+    state: TaskState,
+    events: Sequence[DomainEvent],
+    reply_to: str | None = None,
 ) -> list[OutboxMessage]:
     """The messages that appending ``events`` to a task in ``state`` implies (G4).
 
     ``state`` must describe the task (its agent, origin, trace) as of these events: for a new
-    task, the state folded from the ``TaskStarted`` among them.
+    task, the state folded from the ``TaskStarted`` among them. ``reply_to``: where a pause's
+    requests ask for their replies (the recording worker's reply shard, ``workers.routing``);
+    by default the agent's shared reply queue.
     """
     agent = state.agent or ""
     messages: list[OutboxMessage] = []
@@ -263,7 +283,7 @@ def implied_messages(
                         properties={
                             "type": TYPE_TASK,
                             "correlation_id": call.subtask_id,
-                            "reply_to": names.replies(agent),
+                            "reply_to": reply_to or names.replies(agent),
                             "content_type": CONTENT_TYPE,
                             "headers": _headers(state, tracing.call_key(call.subtask_id)),
                         },

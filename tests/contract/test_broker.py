@@ -121,6 +121,28 @@ class BrokerContract:
         await broker.ack(delivery)
         inbox.hold.set()
 
+    async def test_deliveries_go_to_the_highest_priority_consumer_with_room(
+        self, backend: Backend
+    ) -> None:
+        """Reply routing rests on this (``workers.routing``): a lower consumer gets a delivery
+        only while every higher one holds its prefetch."""
+        low_broker, high_broker = await backend.open(), await backend.open()
+        await low_broker.declare(backend.names, [AGENT])
+        low, high = Inbox(), Inbox()
+        queue = backend.names.tasks(AGENT)
+        await low_broker.consume(queue, low, prefetch=2, priority=1)
+        await high_broker.consume(queue, high, prefetch=2, priority=5)
+        for n in range(3):
+            await low_broker.publish(message(backend.names, n))
+        await high.wait_for(2)
+        await low.wait_for(1)
+        assert [d.message_id for d in high.deliveries] == ["m-0", "m-1"]
+        assert [d.message_id for d in low.deliveries] == ["m-2"]
+        for broker, inbox in ((high_broker, high), (low_broker, low)):
+            for delivery in inbox.deliveries:
+                await broker.ack(delivery)
+            inbox.hold.set()
+
     async def test_a_message_published_later_waits_in_the_broker_then_arrives_whole(
         self, backend: Backend
     ) -> None:

@@ -22,6 +22,7 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractQueue
 
 from workers.policies import WAIT_STEPS_MS
+from workers.settings import Settings
 from workers.topology import apply_policy
 from workers.wire import Names
 
@@ -30,16 +31,26 @@ from .processes import run_tool
 # ---- a deployment's queues ----------------------------------------------------------------
 
 
+DEFAULT_REPLY_SHARDS: int = Settings.model_fields["reply_shards"].default
+"""The reply shards per agent of workers with default settings (``workers.routing``)."""
+
+
+def deployment_names(prefix: str) -> Names:
+    """The names of a deployment whose workers run with default settings."""
+    return Names(prefix, DEFAULT_REPLY_SHARDS)
+
+
 def fresh_prefix() -> str:
     """A queue prefix of its own, for one test's deployment."""
     return f"wst-{uuid.uuid4().hex[:8]}."
 
 
 def topology_queues(names: Names, agents: Iterable[str]) -> list[str]:
-    """The queues workers of ``agents`` declare: tasks and replies of each, then dead letters."""
+    """The queues workers of ``agents`` declare: tasks and replies of each (with ``names``'
+    reply shards), then dead letters."""
     queues = []
     for agent in agents:
-        queues += [names.tasks(agent), names.replies(agent)]
+        queues += [names.tasks(agent), *names.reply_queues(agent)]
     return [*queues, names.dead_letter_queue]
 
 
@@ -48,9 +59,12 @@ async def declare_quorum_queue(channel: AbstractChannel, name: str) -> AbstractQ
     return await channel.declare_queue(name, durable=True, arguments={"x-queue-type": "quorum"})
 
 
-async def delete_topology(amqp_url: str, prefix: str, agents: Iterable[str]) -> None:
-    """Delete every queue and the exchange that workers of ``agents`` declare under ``prefix``."""
-    names = Names(prefix)
+async def delete_topology(
+    amqp_url: str, prefix: str, agents: Iterable[str], *, reply_shards: int | None = None
+) -> None:
+    """Delete every queue and the exchange that workers of ``agents`` declare under ``prefix``
+    (with ``reply_shards`` shards per agent: by default, the workers' default count)."""
+    names = Names(prefix, DEFAULT_REPLY_SHARDS if reply_shards is None else reply_shards)
     connection = await aio_pika.connect(amqp_url)
     try:
         channel = await connection.channel()

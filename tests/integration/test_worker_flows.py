@@ -328,7 +328,10 @@ async def test_a_foreign_peer_and_a_plain_publisher_speak_the_wire_format(
         assert request.message_id == request.correlation_id and pause == "1"
         assert request.type == "task" and request.content_type == "application/json"
         assert request.delivery_mode == aio_pika.DeliveryMode.PERSISTENT
-        assert request.reply_to == names.replies("boss")
+        # the reply shard of the worker that paused the task (workers.routing)
+        assert (
+            request.reply_to in Names(names.prefix, settings.reply_shards).reply_queues("boss")[1:]
+        )
         assert (request.headers or {}).get(HEADER_ROOT) == task_id
         assert loads(request.body) == {"i": int(index), "of": task_id}
     assert len(seen_requests) == sum(k for _, k in submitted.values())
@@ -343,6 +346,9 @@ async def test_two_workers_racing_on_one_tasks_replies_claim_each_call_once(
 ) -> None:
     extra_agents.extend(["boss", "ghost"])
     k, tasks = 5, 20
+    # without reply routing, so that both workers take replies of the same tasks (with it, a
+    # race is rare, not impossible: a full prefetch, a worker that died, more workers than shards)
+    settings = settings.model_copy(update={"reply_shards": 0})
     ghost = await ghost_queue(amqp_channel, settings)
     store_a = PostgresEventStore.from_url(database_url, pool_size=5)
     store_b = PostgresEventStore.from_url(database_url, pool_size=5)
@@ -426,6 +432,55 @@ async def test_two_workers_racing_on_one_tasks_replies_claim_each_call_once(
     finally:
         await store_a.close()
         await store_b.close()
+
+
+async def test_a_parents_replies_come_back_to_the_worker_that_paused_it(
+    settings: Settings,
+    database_url: str,
+    amqp_channel: AbstractChannel,
+    extra_agents: list[str],
+) -> None:
+    """Reply routing (workers.routing) on the real broker and slot table: the two workers claim
+    different home shards, and each task's replies are recorded where it paused."""
+    extra_agents.extend(["boss", "ghost"])
+    k = 3
+    ghost = await ghost_queue(amqp_channel, settings)
+    stores = [PostgresEventStore.from_url(database_url, pool_size=5) for _ in range(2)]
+    try:
+        async with (
+            running_worker(
+                boss_app(), settings.model_copy(update={"worker_id": "home-a"}), stores[0]
+            ) as a,
+            running_worker(
+                boss_app(), settings.model_copy(update={"worker_id": "home-b"}), stores[1]
+            ) as b,
+            RecordingClient(settings.amqp_url, queue_prefix=settings.queue_prefix) as client,
+        ):
+            homes = {w.settings.worker_id: w.routes.homes["boss"] for w in (a, b)}
+            assert len(set(homes.values())) == 2, homes
+            names = Names(settings.queue_prefix, settings.reply_shards)
+            for _ in range(6):
+                task_id = await client.submit("boss", {"k": k})
+                requests = await take(ghost, k, within=30)
+                for request in requests:
+                    index = int((request.correlation_id or "").rsplit(":", 1)[1])
+                    await publish_reply(amqp_channel, request, {"status": "ok", "result": index})
+                assert (await client.result(task_id, timeout=60)).result == [
+                    ["ok", i, None] for i in range(k)
+                ]
+                events = await stores[0].read_stream(task_id)
+                (paused,) = [e for e in events if e.event_type == "TaskPaused"]
+                pauser = paused.metadata["worker_id"]
+                assert {r.reply_to for r in requests} == {names.reply_shard("boss", homes[pauser])}
+                recorders = {
+                    e.metadata["worker_id"] for e in events if e.event_type == "ResultRecorded"
+                }
+                assert recorders == {pauser}, (task_id, pauser, recorders)
+            conflicts = sum(w.stats.counters.get("version_conflicts", 0) for w in (a, b))
+            assert conflicts == 0
+    finally:
+        for store in stores:
+            await store.close()
 
 
 # ---- bad replies, redeliveries ------------------------------------------------------------------

@@ -275,9 +275,11 @@ class FaultyBroker(Broker):
         self.process.check()
         await self.inner.declare(names, agents)
 
-    async def consume(self, queue: str, handler: DeliveryHandler, *, prefetch: int) -> None:
+    async def consume(
+        self, queue: str, handler: DeliveryHandler, *, prefetch: int, priority: int = 0
+    ) -> None:
         self.process.check()
-        await self.inner.consume(queue, handler, prefetch=prefetch)
+        await self.inner.consume(queue, handler, prefetch=prefetch, priority=priority)
 
     async def cancel_consumers(self) -> None:
         await self.inner.cancel_consumers()

@@ -150,7 +150,9 @@ class AmqpBroker(Broker):
             management_url=self._management_url,
         )
 
-    async def consume(self, queue: str, handler: DeliveryHandler, *, prefetch: int) -> None:
+    async def consume(
+        self, queue: str, handler: DeliveryHandler, *, prefetch: int, priority: int = 0
+    ) -> None:
         if self._connection is None:
             raise BrokerUnavailable("the broker connection is not open")
         try:
@@ -162,7 +164,9 @@ class AmqpBroker(Broker):
             async def on_message(message: AbstractIncomingMessage) -> None:
                 await handler(delivery_of(message, queue))
 
-            tag = await declared.consume(on_message)
+            tag = await declared.consume(
+                on_message, arguments={"x-priority": priority} if priority else None
+            )
         except _UNAVAILABLE as error:
             raise _translated(error) from error
         self._consumers.append((declared, tag))

@@ -78,6 +78,7 @@ class _Consumer:
     handler: DeliveryHandler
     prefetch: int
     epoch: int
+    priority: int = 0
     unacked: dict[int, StoredMessage] = field(default_factory=dict)
 
 
@@ -258,13 +259,20 @@ class InMemoryBroker:
 
     @staticmethod
     def _next_consumer(queue: _Queue) -> _Consumer | None:
+        """The next consumer with room, of the highest priority that has one (RabbitMQ's
+        consumer priorities); round robin among consumers of that priority."""
         count = len(queue.consumers)
+        best: tuple[int, int] | None = None  # (priority, offset)
         for offset in range(count):
             consumer = queue.consumers[(queue.turn + offset) % count]
-            if len(consumer.unacked) < consumer.prefetch:
-                queue.turn = (queue.turn + offset + 1) % count
-                return consumer
-        return None
+            if len(consumer.unacked) < consumer.prefetch and (
+                best is None or consumer.priority > best[0]
+            ):
+                best = (consumer.priority, offset)
+        if best is None:
+            return None
+        queue.turn = (queue.turn + best[1] + 1) % count
+        return queue.consumers[(queue.turn - 1) % count]
 
     def connection(self, name: str, *, reconnect_after: float = 0.5) -> InMemoryConnection:
         connection = InMemoryConnection(self, name, reconnect_after=reconnect_after)
@@ -283,7 +291,7 @@ class InMemoryConnection(Broker):
         self._up = False
         self._dead = False
         self._epoch = 0
-        self._wanted: list[tuple[str, DeliveryHandler, int]] = []
+        self._wanted: list[tuple[str, DeliveryHandler, int, int]] = []
         self._consumers: list[_Consumer] = []
         self._running: dict[int, asyncio.Task[None]] = {}
         self._context = contextvars.copy_context()
@@ -321,21 +329,26 @@ class InMemoryConnection(Broker):
         self.broker.declare_fanout(names.dead_letter_exchange, names.dead_letter_queue)
         for agent in agents:
             self.broker.declare_queue(names.tasks(agent))
-            self.broker.declare_queue(names.replies(agent))
+            for queue in names.reply_queues(agent):
+                self.broker.declare_queue(queue)
         self.broker.apply_policy(names)
 
-    async def consume(self, queue: str, handler: DeliveryHandler, *, prefetch: int) -> None:
+    async def consume(
+        self, queue: str, handler: DeliveryHandler, *, prefetch: int, priority: int = 0
+    ) -> None:
         self._require_up()
         if queue not in self.broker.queues:
             raise BrokerUnavailable(f"no queue {queue!r}: the broker closed the channel")
-        self._wanted.append((queue, handler, prefetch))
-        self._subscribe(queue, handler, prefetch)
+        self._wanted.append((queue, handler, prefetch, priority))
+        self._subscribe(queue, handler, prefetch, priority)
 
-    def _subscribe(self, queue: str, handler: DeliveryHandler, prefetch: int) -> None:
+    def _subscribe(
+        self, queue: str, handler: DeliveryHandler, prefetch: int, priority: int
+    ) -> None:
         found = self.broker.queues.get(queue)
         if found is None:
             return
-        consumer = _Consumer(self, queue, handler, prefetch, self._epoch)
+        consumer = _Consumer(self, queue, handler, prefetch, self._epoch, priority)
         self._consumers.append(consumer)
         found.consumers.append(consumer)
         self.broker.pump()
@@ -478,8 +491,8 @@ class InMemoryConnection(Broker):
         if self._dead or self._up:
             return
         self._up = True
-        for queue, handler, prefetch in self._wanted:
-            self._subscribe(queue, handler, prefetch)
+        for queue, handler, prefetch, priority in self._wanted:
+            self._subscribe(queue, handler, prefetch, priority)
 
     def kill(self) -> None:
         """The worker's process died: the connection drops for good."""
