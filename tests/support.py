@@ -362,13 +362,15 @@ def fanout_inputs(
 
 
 async def start_example_workers(settings: Settings, workers: Sequence[WorkerProcess]) -> None:
-    """Start the example app's worker processes and wait until each consumes every queue."""
-    names = Names(settings.queue_prefix)
-    await start_workers(
-        settings,
-        workers,
-        [names.tasks("orchestrator"), names.replies("orchestrator"), names.tasks("researcher")],
-    )
+    """Start the example app's worker processes and wait until each consumes every queue (its
+    reply shards too: a worker is serving, and healthy, once it consumes all of them)."""
+    names = Names(settings.queue_prefix, settings.reply_shards)
+    queues = [
+        q
+        for agent in ("orchestrator", "researcher")
+        for q in (names.tasks(agent), *names.reply_queues(agent))
+    ]
+    await start_workers(settings, workers, queues)
 
 
 async def start_workers(

@@ -86,7 +86,8 @@ async def test_metrics_of_a_running_worker_move_as_tasks_flow(
         assert status == 200, body
         assert health["status"] == "ok" and health["state"] == "serving", health
         assert health["broker"] is True and health["database"] is True, health
-        assert health["consumers"] == 4, "tasks and replies queues of both example agents"
+        # tasks, replies and reply shards of both example agents
+        assert health["consumers"] == 2 * (2 + settings.reply_shards), health
 
         _, before = await get(f"{base}/metrics")
         assert value(before, "waystation_healthy") == 1, "the same check as /healthz"
