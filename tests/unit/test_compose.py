@@ -100,6 +100,12 @@ def test_the_connection_budget_adds_up_at_the_documented_scale() -> None:
     assert f"`max_connections` ({_postgres_setting('max_connections')})" in documented
 
 
+def test_every_worker_up_to_the_documented_scale_has_a_reply_shard_of_its_own() -> None:
+    compose = _compose()
+    shards = int(compose["x-waystation-env"]["WAYSTATION_REPLY_SHARDS"])
+    assert shards >= compose["x-waystation-budget"]["max_workers"]
+
+
 def test_the_build_context_leaves_out_local_state() -> None:
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", ".venv"} <= set(ignored)
