@@ -104,6 +104,14 @@ class Worker:
             deployment=self.names.prefix,
             on_unroutable=self._unroutable,
         )
+        slots = self._shared_slots(slots)
+        self.routes = ReplyRoutes(
+            self.names,
+            settings.worker_id,
+            app.agents,
+            slots=slots,
+            lease_seconds=settings.slot_lease_seconds,
+        )
         self.recorder = Recorder(
             store,
             self.names,
@@ -115,17 +123,10 @@ class Worker:
             faults=faults,
             stopping=lambda: self._stopping,
             cache_bytes=settings.stream_cache_bytes,
+            reply_to=self.routes.reply_to,
         )
         self.settler = Settler(self.broker, self.names, self.observer, settings.worker_id)
         self.limits = self._pool_limits(slots)
-        self.routes = ReplyRoutes(
-            self.names,
-            settings.worker_id,
-            app.agents,
-            slots=self._shared_slots(slots),
-            lease_seconds=settings.slot_lease_seconds,
-        )
-        self.recorder.reply_to = self.routes.reply_to
         # plain `def` handlers: at most as many at once as the worker takes messages per queue
         self.threads = ThreadPoolExecutor(
             max_workers=settings.concurrency, thread_name_prefix="waystation-handler"
@@ -172,14 +173,12 @@ class Worker:
         (then no slot is ever taken: nothing is paid for them)."""
         if not any(spec.limited for spec in self.app.agents.values()):
             return None
-        if slots is None:
-            if not isinstance(self.store, PostgresEventStore):
-                limited = sorted(n for n, spec in self.app.agents.items() if spec.limited)
-                raise ValueError(
-                    f"agents {limited} declare a concurrency or a rate: pass the pool's slots "
-                    "(Worker(..., slots=...), shared by every worker of the pool)"
-                )
-            slots = PostgresSlotLeases(self.store.engine)
+        if slots is None:  # (the log is not in PostgreSQL: _shared_slots)
+            limited = sorted(n for n, spec in self.app.agents.items() if spec.limited)
+            raise ValueError(
+                f"agents {limited} declare a concurrency or a rate: pass the pool's slots "
+                "(Worker(..., slots=...), shared by every worker of the pool)"
+            )
         return PoolLimits(
             slots,
             self.observer,
