@@ -97,7 +97,8 @@ class InMemoryEventStore(EventStore):
         if head != prev_hash:
             raise IntegrityError(f"prev_hash does not match the head of {stream_id!r}")
         if any(e.event_id in self._event_ids for e in events):
-            raise IntegrityError("an event id of this append is already in the log")
+            # as PostgreSQL's unique index answers it: read again and decide again
+            raise VersionConflict(stream_id, expected_version)
         self.transactions += 1
         tx_id = self.transactions
         # data and metadata come back as new objects, in stored form: no aliasing with the caller

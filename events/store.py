@@ -10,6 +10,9 @@ Contract (the shared suite in ``tests/contract/test_event_store.py`` runs it aga
   - If the stream is not at ``expected_version`` it raises :class:`~events.errors.VersionConflict`.
   - If the first event's id is already in the stream, nothing is written and the result says
     ``duplicate=True``: the same decision was recorded before (a redelivery, a re-run).
+    If a later event's id is in the log but the first's is not (decisions appended together,
+    one of which was recorded before), nothing is written and it raises ``VersionConflict``:
+    read again and decide again.
   - Each event's hash chains to the one before it: ``prev_hash`` must be the hash of the event
     at ``expected_version`` (:data:`~events.codec.GENESIS_HASH` for a new stream).
 * ``read_stream`` returns a stream's events in version order; ``last_event`` its newest event

@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from events import (
     AppendResult,
@@ -39,6 +40,7 @@ from events import (
     event_id,
     fold,
 )
+from events.chain import recorded_events
 from events.codec import dumps
 
 from .broker import Delivery
@@ -64,6 +66,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_CONFLICT_RETRIES = 50
+MAX_COMBINED = 20
+"""At most this many waiting decisions are recorded in one append."""
 
 
 class UnreadableStream(Exception):
@@ -104,7 +108,54 @@ class Extension:
     failed_runs: int = 0
 
 
-Extend = Callable[[TaskState, list[RecordedEvent], list[DomainEvent]], Awaitable[Extension | None]]
+Extend = Callable[
+    [TaskState, list[RecordedEvent], list[DomainEvent]], Coroutine[Any, Any, Extension | None]
+]
+Decide = Callable[[TaskState], list[DomainEvent]]
+Key = Callable[[list[DomainEvent]], str]
+_FROM_LOG = "from the log"
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """One decision ready to append (:meth:`Recorder.part`)."""
+
+    state: TaskState
+    """The state it was decided on."""
+    events: list[DomainEvent]
+    new_events: list[NewEvent]
+    messages: list[OutboxMessage]
+    context: contextvars.Context | None = None
+    """The context of the delivery it answers, when another one's task records it: its spans
+    are recorded there (their parent is that delivery's, not the recording one's)."""
+
+
+@dataclass(slots=True, eq=False)
+class _Waiting:
+    """A decision waiting for its stream's lock, which the holder may record with its own
+    (:meth:`Recorder.append_decision`, ``combine``)."""
+
+    decide: Decide
+    key: Key
+    cause: Cause
+    extend: Extend | None
+    applied: Applied | None = None
+    """Set by the worker's task that recorded it with others."""
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)
+    """Its delivery's context (the trace it belongs to), where the task that records it runs
+    its resumed handler and records its spans."""
+
+
+_Plan = (
+    tuple[
+        list[RecordedEvent],
+        list[tuple[_Waiting, _Part, Extension | None]],
+        list[tuple[_Waiting, TaskState]],
+        bool,
+    ]
+    | str
+    | None
+)
 
 
 def resumes(events: Sequence[DomainEvent]) -> bool:
@@ -238,6 +289,12 @@ class Recorder:
         self.faults = faults
         self.locks = StreamLocks()
         self.cache = StreamCache(max_bytes=cache_bytes)
+        self._waiting: dict[str, list[_Waiting]] = {}
+        """Per stream, the combinable decisions waiting for its lock, in arrival order."""
+
+    def waiting(self, stream_id: str) -> int:
+        """Combinable decisions waiting for the stream's lock now."""
+        return len(self._waiting.get(stream_id, ()))
 
     async def load(self, task_id: str) -> TaskState:
         return (await self.load_events(task_id))[0]
@@ -274,13 +331,14 @@ class Recorder:
     async def append_decision(
         self,
         task_id: str,
-        decide: Callable[[TaskState], list[DomainEvent]],
+        decide: Decide,
         *,
-        key: Callable[[list[DomainEvent]], str],
+        key: Key,
         cause: Cause,
         step: str,
         describe_new: Callable[[TaskState], TaskState] | None = None,
         extend: Extend | None = None,
+        combine: bool = False,
     ) -> Applied:
         """Read, decide, append; on a conflict (or when the same decision was already recorded
         by someone else) read and decide again. Returns the state decided on and the events
@@ -292,57 +350,193 @@ class Recorder:
         committing it again would only find them again, forever.
 
         ``extend`` may add to a decision before it is appended (the resumed run's outcome, see
-        ``workers.flows.reply``); it runs again with every re-decision."""
-        async with self.locks.hold(task_id):
-            found: str | None = None
-            cached = True
-            for _ in range(MAX_CONFLICT_RETRIES):
-                # first from what this worker last wrote to the stream, if it is still cached:
-                # a stale copy only costs a conflict, since the append checks the version
-                state, history, from_cache = await self.load_events(task_id, cached=cached)
-                cached = False
-                events = decide(state)
-                if not events:
-                    if from_cache:
-                        # nothing to do, says a copy that may be stale (a timeout on a pause this
-                        # worker has not seen): only the log itself can say so
-                        continue
-                    return Applied(state, [])
-                if extend is not None and from_cache and resumes(events):
-                    # a handler is about to run on this decision: never on a copy that may be
-                    # stale (the task may have been cancelled or timed out meanwhile), however
-                    # the append would settle it afterwards
+        ``workers.flows.reply``); it runs again with every re-decision.
+
+        ``combine``: decisions on one stream that wait for its lock meanwhile (a parent's replies
+        arriving together) are recorded by whichever of them takes the lock first, in one
+        append, each decided on the state the ones before it leave (:meth:`_decide_together`).
+        A decision that could not be combined is recorded alone, as without it."""
+        if not combine or describe_new is not None:
+            async with self.locks.hold(task_id):
+                return await self._decide_alone(
+                    task_id, decide, key, cause, step, describe_new, extend
+                )
+        mine = _Waiting(decide, key, cause, extend)
+        waiting = self._waiting.setdefault(task_id, [])
+        waiting.append(mine)
+        try:
+            async with self.locks.hold(task_id):
+                if mine.applied is None and mine in waiting and len(waiting) > 1:
+                    batch = waiting[:MAX_COMBINED]
+                    del waiting[:MAX_COMBINED]
+                    await self._decide_together(task_id, batch, step)
+                if mine.applied is not None:
+                    return mine.applied
+                # alone: nothing else waited, or they could not all be recorded together
+                return await self._decide_alone(task_id, decide, key, cause, step, None, extend)
+        finally:
+            if mine in waiting:
+                waiting.remove(mine)
+            if not waiting and self._waiting.get(task_id) is waiting:
+                del self._waiting[task_id]
+
+    async def _decide_alone(
+        self,
+        task_id: str,
+        decide: Decide,
+        key: Key,
+        cause: Cause,
+        step: str,
+        describe_new: Callable[[TaskState], TaskState] | None,
+        extend: Extend | None,
+    ) -> Applied:
+        """:meth:`append_decision` for one decision, under its stream's lock."""
+        found: str | None = None
+        cached = True
+        for _ in range(MAX_CONFLICT_RETRIES):
+            # first from what this worker last wrote to the stream, if it is still cached:
+            # a stale copy only costs a conflict, since the append checks the version
+            state, history, from_cache = await self.load_events(task_id, cached=cached)
+            cached = False
+            events = decide(state)
+            if not events:
+                if from_cache:
+                    # nothing to do, says a copy that may be stale (a timeout on a pause this
+                    # worker has not seen): only the log itself can say so
                     continue
-                causation = key(events)
-                if causation == found:
-                    return Applied(state, [])
-                extension = await extend(state, history, events) if extend else None
-                if extension is not None:
-                    events = extension.events
-                described = state if state.exists or describe_new is None else describe_new(state)
+                return Applied(state, [])
+            if extend is not None and from_cache and resumes(events):
+                # a handler is about to run on this decision: never on a copy that may be
+                # stale (the task may have been cancelled or timed out meanwhile), however
+                # the append would settle it afterwards
+                continue
+            causation = key(events)
+            if causation == found:
+                return Applied(state, [])
+            extension = await extend(state, history, events) if extend else None
+            if extension is not None:
+                events = extension.events
+            described = state if state.exists or describe_new is None else describe_new(state)
+            try:
+                recorded = await self.commit(
+                    described,
+                    events,
+                    causation,
+                    cause,
+                    step=step,
+                    resume_attempts=extension.failed_runs if extension else 0,
+                    history=history,
+                )
+            except VersionConflict:
+                self.observer.version_conflict()
+                continue
+            if recorded:
+                return self._applied(state, events, extension)
+            found = causation
+        raise RuntimeError(f"{step} on {task_id}: gave up after {MAX_CONFLICT_RETRIES} conflicts")
+
+    def _applied(
+        self, state: TaskState, events: list[DomainEvent], extension: Extension | None
+    ) -> Applied:
+        """What a committed decision returns (and counts, when it resumed in place)."""
+        if extension is None or extension.resumed_at is None:
+            return Applied(state, events)
+        if isinstance(events[-1], TaskFailed):
+            self.observer.count("tasks_failed")
+        log.debug("resumed in place from pause %d", state.pause)
+        self.observer.resumed_in_place(max(0.0, self.clock() - extension.resumed_at))
+        return Applied(state, events, extension.checkpoint_started)
+
+    async def _decide_together(self, task_id: str, batch: list[_Waiting], step: str) -> None:
+        """Record the decisions of ``batch`` in one append, each decided on the state the ones
+        before it leave, and give each its :class:`Applied`. Left to record alone (their
+        ``applied`` stays None): those after one that resumes the task (they decide on what
+        the resumed run records), and all of them on a conflict, a duplicate, or two decisions
+        under one causation key (a duplicated message), and on a conflict unless the batch
+        was decided on this worker's cached copy of the stream (then it is decided once more,
+        on the log).
+
+        The rules of deciding alone hold: a decision that finds nothing to do, or would run a
+        handler, on the cached copy (which may be stale) makes the whole batch be decided again
+        on the log itself."""
+        cached = True
+        while True:
+            plan = await self._plan(task_id, batch, cached=cached)
+            if plan == _FROM_LOG:
+                cached = False
+                continue
+            if not isinstance(plan, tuple):
+                return
+            history, parts, idle, from_cache = plan
+            if parts:
                 try:
-                    recorded = await self.commit(
-                        described,
-                        events,
-                        causation,
-                        cause,
-                        step=step,
-                        resume_attempts=extension.failed_runs if extension else 0,
-                        history=history,
+                    committed = await self._commit_parts(
+                        [part for _, part, _ in parts], step=step, history=history
                     )
                 except VersionConflict:
                     self.observer.version_conflict()
-                    continue
-                if recorded:
-                    if extension is None or extension.resumed_at is None:
-                        return Applied(state, events)
-                    if isinstance(events[-1], TaskFailed):
-                        self.observer.count("tasks_failed")
-                    log.debug("resumed in place from pause %d", state.pause)
-                    self.observer.resumed_in_place(max(0.0, self.clock() - extension.resumed_at))
-                    return Applied(state, events, extension.checkpoint_started)
-                found = causation
-        raise RuntimeError(f"{step} on {task_id}: gave up after {MAX_CONFLICT_RETRIES} conflicts")
+                    if from_cache:
+                        cached = False  # decided on a stale copy: once more, on the log
+                        continue
+                    return
+                if not committed:
+                    return
+                self.observer.count("decisions_combined", len(parts))
+            for waiting, part, extension in parts:
+                waiting.applied = self._applied(part.state, part.events, extension)
+            for waiting, state in idle:
+                waiting.applied = Applied(state, [])
+            return
+
+    async def _plan(self, task_id: str, batch: list[_Waiting], *, cached: bool) -> _Plan:
+        """The decisions of ``batch`` in order, each on the state the ones before leave:
+        ``(history, parts, idle, from_cache)`` with the stream's events read, the decisions to
+        append, those with nothing to do and whether the events came from this worker's copy;
+        :data:`_FROM_LOG` when one needs the log rather than that copy; None when two share a
+        causation key."""
+        state, history, from_cache = await self.load_events(task_id, cached=cached)
+        parts: list[tuple[_Waiting, _Part, Extension | None]] = []
+        idle: list[tuple[_Waiting, TaskState]] = []
+        keys: set[str] = set()
+        recorded = history
+        for waiting in batch:
+            events = waiting.decide(state)
+            resuming = waiting.extend is not None and resumes(events)
+            if from_cache and (not events or resuming):
+                return _FROM_LOG
+            if not events:
+                idle.append((waiting, state))
+                continue
+            causation = waiting.key(events)
+            if causation in keys:
+                return None
+            keys.add(causation)
+            extension = None
+            if resuming:
+                assert waiting.extend is not None
+                # in its own delivery's context: the run is a child of that delivery's trace
+                extension = await asyncio.create_task(
+                    waiting.extend(state, recorded, events), context=waiting.context
+                )
+                if extension is not None:
+                    events = extension.events
+            part = self.part(
+                state,
+                events,
+                causation,
+                waiting.cause,
+                resume_attempts=extension.failed_runs if extension else 0,
+                context=waiting.context,
+            )
+            parts.append((waiting, part, extension))
+            if resuming:
+                break  # the rest decide on what the resumed run records: alone
+            recorded = [
+                *recorded,
+                *recorded_events(task_id, state.version, part.new_events, state.last_hash),
+            ]
+            state = fold(task_id, recorded)
+        return history, parts, idle, from_cache
 
     async def _through_outages(self, operation: Callable[[], Awaitable[T]]) -> T:
         """Run ``operation``; through an outage of the log, run it again until the log answers
@@ -379,6 +573,33 @@ class Recorder:
             )
         )
 
+    def part(
+        self,
+        state: TaskState,
+        events: Sequence[DomainEvent],
+        causation_key: str,
+        cause: Cause,
+        *,
+        resume_attempts: int = 0,
+        context: contextvars.Context | None = None,
+    ) -> _Part:
+        """One decision made ready to append: its events with their ids and metadata, and the
+        messages they imply (``resume_attempts``: see :meth:`commit`; ``context``: see
+        :class:`_Part`)."""
+        metadata = self.metadata(state, cause)
+        new_events = [
+            NewEvent.of(event_id(state.task_id, causation_key, index), event, metadata)
+            for index, event in enumerate(events)
+        ]
+        reply_to = self.reply_to(state.agent) if self.reply_to and state.agent else None
+        messages = implied_messages(self.names, state, events, reply_to)
+        if resume_attempts:
+            messages = [
+                with_attempts(m, resume_attempts) if m.properties.get("type") == TYPE_RESUME else m
+                for m in messages
+            ]
+        return _Part(state, list(events), new_events, messages, context)
+
     async def commit(
         self,
         state: TaskState,
@@ -396,35 +617,41 @@ class Recorder:
         message carries the count, so that the retries stay within the delivery limit.
         ``history``: the stream's events ``state`` was folded from; the stream as it is after
         this append is then cached for the next decision on it (:class:`StreamCache`)."""
-        metadata = self.metadata(state, cause)
-        new_events = [
-            NewEvent.of(event_id(state.task_id, causation_key, index), event, metadata)
-            for index, event in enumerate(events)
-        ]
-        reply_to = self.reply_to(state.agent) if self.reply_to and state.agent else None
-        messages = implied_messages(self.names, state, events, reply_to)
-        if resume_attempts:
-            messages = [
-                with_attempts(m, resume_attempts) if m.properties.get("type") == TYPE_RESUME else m
-                for m in messages
-            ]
+        part = self.part(state, events, causation_key, cause, resume_attempts=resume_attempts)
+        return await self._commit_parts([part], step=step, history=history)
+
+    async def _commit_parts(
+        self, parts: Sequence[_Part], *, step: str, history: list[RecordedEvent] | None
+    ) -> bool:
+        """Append the decisions ``parts``, each made on the state the ones before it leave, in
+        one statement at the first one's version; then publish what they imply. False when
+        the first one's events were recorded already (nothing was written)."""
+        state = parts[0].state
+        new_events = [event for part in parts for event in part.new_events]
+        messages = [message for part in parts for message in part.messages]
         result = await self._append(state, new_events, messages)
         if history is not None and not result.duplicate:
             self.cache.put(
                 state.task_id,
                 [*history, *result.recorded],
-                finished=any(event.event_type in FINISHED for event in events),
+                finished=any(e.event_type in FINISHED for part in parts for e in part.events),
             )
         if result.duplicate:
             # recorded before (a redelivery or a re-run): its messages are the relay's to publish
             self.observer.duplicate("duplicate_appends")
             return False
-        self.observer.appended(state.agent, events, state)
-        self.faults.hit(f"{step}.committed")
+        for part in parts:
+            if part.context is None:
+                self.observer.appended(part.state.agent, part.events, part.state)
+            else:
+                part.context.run(self.observer.appended, part.state.agent, part.events, part.state)
+        for _ in parts:  # a fault point counts decisions, however many one append holds
+            self.faults.hit(f"{step}.committed")
         if messages:
             # committed, so the outbox holds them (G4): send now, and let their confirms arrive
             # while this delivery is acked and the next one handled
             self.outbox.send_committed(result.outbox_ids, messages)
             await asyncio.sleep(0)  # let it hand its frames to the connection first
-        self.faults.hit(f"{step}.published")
+        for _ in parts:
+            self.faults.hit(f"{step}.published")
         return True

@@ -286,6 +286,18 @@ class EventStoreContract:
         events = await store.read_stream(stream)
         assert len(events) == 2 and events[-1].hash == one.last_hash
 
+    async def test_an_append_whose_later_event_is_recorded_already_is_a_version_conflict(
+        self, store: EventStore
+    ) -> None:
+        stream = new_stream()
+        one = await store.append(stream, 0, probes(1), prev_hash=GENESIS_HASH)
+        recorded = probe(5)
+        two = await store.append(stream, 1, [recorded], prev_hash=one.last_hash)
+        with pytest.raises(VersionConflict):
+            await store.append(stream, 2, [probe(6), recorded], prev_hash=two.last_hash)
+        events = await store.read_stream(stream)
+        assert [e.stream_version for e in events] == [1, 2] and events[-1].hash == two.last_hash
+
     async def test_an_event_id_of_another_stream_is_an_integrity_error(
         self, store: EventStore
     ) -> None:

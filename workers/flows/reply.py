@@ -5,6 +5,10 @@ one append. A duplicate, a late reply or one for an unknown call is acked and re
 (``ReplyIgnored``), never applied; the redelivery of the very message that claimed is recognised
 and acked without appending anything.
 
+Replies to one task that wait for its stream's lock on one worker (they arrive together, and
+reply routing brings them to one worker) are recorded in one append
+(``Recorder.append_decision``, ``combine``).
+
 The worker that records the last reply runs the resumed handler at once, in place, and appends
 its outcome in the same statement (docs/performance.md): no resume message, no second read. The
 reply stays unacked until that append commits, so a crash redelivers it and the whole step runs
@@ -131,7 +135,7 @@ async def _record(
         return await _resume_in_place(flows, state, recorded, events, cause)
 
     applied = await flows.recorder.append_decision(
-        task_id, decide, key=key, cause=cause, step="reply", extend=resume_here
+        task_id, decide, key=key, cause=cause, step="reply", extend=resume_here, combine=True
     )
     if applied.events and isinstance(applied.events[0], ReplyIgnored):
         log.info("reply for %s not applied: %s", subtask, applied.events[0].reason)

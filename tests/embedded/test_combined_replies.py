@@ -1,0 +1,153 @@
+"""Replies to one task that wait for its stream's lock on one worker are recorded in one append
+(``Recorder.append_decision``, ``combine``), and fall back to one append each when they cannot be:
+a conflict after reading the log, the same reply twice.
+
+Each test holds the stream's lock itself while the replies arrive, so that they are certain to
+wait for it together, however fast the machine."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+
+import pytest
+
+from events import Call, Complete, NewEvent, OutboxMessage, Outcome, Pause, ReplyIgnored
+from events.codec import dumps
+from events.model import EventMetadata
+from workers.agent import App, TaskContext
+from workers.runtime import Worker
+
+from .harness import World, eventually, world
+
+pytestmark = pytest.mark.timeout(60)
+
+CALLS = 3
+
+
+def ghost_app() -> App:
+    """``boss`` calls ``ghost`` three times; nobody serves ``ghost`` but the test."""
+    app = App()
+
+    @app.agent("boss")
+    async def boss(task: TaskContext) -> Outcome:
+        if not task.resumed:
+            return Pause([Call("ghost", {"n": n}) for n in range(CALLS)])
+        return Complete(sorted(r.value for r in task.results))
+
+    return app
+
+
+async def _replies(w: World) -> list[OutboxMessage]:
+    """The ghost calls' replies, each the call's number times ten, unpublished yet."""
+    queue = w.names.tasks("ghost")
+    await eventually(lambda: len(w.broker.messages(queue)) == CALLS, "the ghost calls")
+    requests = list(w.broker.queues[queue].ready)
+    w.broker.queues[queue].ready.clear()
+    return [
+        OutboxMessage(
+            message_id=f"{request.properties['correlation_id']}:reply",
+            routing_key=request.properties["reply_to"],
+            body=dumps(
+                {"status": "ok", "result": 10 * int(request.properties["correlation_id"][-1])}
+            ),
+            properties={"type": "result", "correlation_id": request.properties["correlation_id"]},
+        )
+        for request in requests
+    ]
+
+
+async def _arrive_together(
+    w: World, worker: Worker, task_id: str, replies: list[OutboxMessage]
+) -> None:
+    """Publish ``replies`` while the test holds the task's stream lock on ``worker``, and let go
+    only once all of them wait for it."""
+    recorder = worker.recorder
+    async with recorder.locks.hold(task_id):
+        for reply in replies:
+            await w.publisher.publish(reply)
+        await eventually(
+            lambda: recorder.waiting(task_id) == len(replies),
+            "every reply waiting for the stream's lock",
+        )
+
+
+async def _answered_once(w: World, task_id: str, replies: list[OutboxMessage]) -> None:
+    """The task answered once, with every reply's value; each call claimed once, one resume."""
+    assert (await w.answer(task_id))["result"] == [0, 10, 20]
+    await eventually(lambda: w.broker.unsettled() == 0, "every reply acked")
+    events = await w.store.read_stream(task_id)
+    claims = Counter(e.data["subtask_id"] for e in events if e.event_type == "SubtaskClaimed")
+    assert claims == {r.properties["correlation_id"]: 1 for r in replies}
+    assert [e.event_type for e in events].count("TaskResumed") == 1
+    assert len(w.answers[task_id]) == 1, w.answers[task_id]
+
+
+async def test_replies_waiting_together_are_recorded_in_one_append() -> None:
+    async with world(ghost_app()) as w:
+        w.broker.declare_queue(w.names.tasks("ghost"))
+        worker = await w.start_worker("w1")
+        task_id = await w.publish("boss", {})
+        replies = await _replies(w)
+        await _arrive_together(w, worker, task_id, replies)
+        await _answered_once(w, task_id, replies)
+        events = await w.store.read_stream(task_id)
+        # the claims, results, the resume and the resumed run's completion: one transaction
+        tail = [e for e in events if e.stream_version > 2]
+        assert [e.event_type for e in tail] == [
+            *["SubtaskClaimed", "ResultRecorded"] * CALLS,
+            "TaskResumed",
+            "TaskCompleted",
+        ]
+        assert len({e.tx_id for e in tail}) == 1, [(e.event_type, e.tx_id) for e in tail]
+        counters = worker.stats.counters
+        assert counters.get("decisions_combined") == CALLS, counters
+        assert counters.get("version_conflicts", 0) == 0, counters
+        assert counters.get("resumed_in_place") == 1, counters
+
+
+async def test_the_same_reply_twice_in_one_wait_claims_its_call_once() -> None:
+    async with world(ghost_app()) as w:
+        w.broker.declare_queue(w.names.tasks("ghost"))
+        worker = await w.start_worker("w1")
+        task_id = await w.publish("boss", {})
+        replies = await _replies(w)
+        twice = replies[0]
+        await _arrive_together(w, worker, task_id, [twice, *replies[1:2], twice])
+        await eventually(lambda: w.broker.unsettled() == 0, "the three replies acked")
+        await w.publisher.publish(replies[2])
+        await _answered_once(w, task_id, replies)
+
+
+async def test_replies_decided_on_a_stale_copy_are_decided_again_on_the_log() -> None:
+    async with world(ghost_app()) as w:
+        w.broker.declare_queue(w.names.tasks("ghost"))
+        worker = await w.start_worker("w1")
+        task_id = await w.publish("boss", {})
+        replies = await _replies(w)
+        recorder = worker.recorder
+        async with recorder.locks.hold(task_id):
+            # another writer appends meanwhile: the worker's cached copy of the stream is stale
+            head = (await w.store.read_stream(task_id))[-1]
+            audit = ReplyIgnored(subtask_id=f"{task_id}:9:9", reason="unknown-call", outcome="ok")
+            metadata = EventMetadata(worker_id="elsewhere", occurred_at=0.0)
+            await w.store.append(
+                task_id,
+                head.stream_version,
+                [NewEvent.of(uuid.uuid4(), audit, metadata)],
+                prev_hash=head.hash,
+            )
+            # two of the three: a batch that does not resume is decided on the cached copy
+            for reply in replies[:2]:
+                await w.publisher.publish(reply)
+            await eventually(
+                lambda: recorder.waiting(task_id) == 2,
+                "both replies waiting for the stream's lock",
+            )
+        await eventually(lambda: w.broker.unsettled() == 0, "both replies acked")
+        await w.publisher.publish(replies[2])
+        await _answered_once(w, task_id, replies)
+        counters = worker.stats.counters
+        # decided on the stale copy first, which conflicts; then once more on the log, together
+        assert counters.get("version_conflicts") == 1, counters
+        assert counters.get("decisions_combined") == 2, counters
