@@ -48,6 +48,12 @@ GRACE = 30.0
 did not run out (the worker logs it when it does), not how many seconds the drain took."""
 SIGNALS = [pytest.param(signal.SIGTERM, id="SIGTERM"), pytest.param(signal.SIGINT, id="SIGINT")]
 GRACE_EXPIRED = "still in flight after the grace period"
+DRAINS = [
+    pytest.param(signal.SIGTERM, "replacement", id="replacement-SIGTERM"),
+    pytest.param(signal.SIGINT, "peer", id="peer-SIGINT"),
+]
+"""Each signal and each successor once: both signals take the same drain (the idle test below
+runs each on its own), so their four combinations would repeat two runs of ~15 s each."""
 
 
 def _worker(settings: Settings, tmp_path: Path, name: str, grace: float) -> WorkerProcess:
@@ -73,8 +79,7 @@ async def _signal_and_wait(worker: WorkerProcess, signum: int, within: float) ->
 
 
 @pytest.mark.timeout(540)
-@pytest.mark.parametrize("signum", SIGNALS)
-@pytest.mark.parametrize("successor", ["peer", "replacement"])
+@pytest.mark.parametrize(("signum", "successor"), DRAINS)
 async def test_a_busy_worker_drains_exits_0_and_no_task_is_lost(
     signum: signal.Signals,
     successor: str,
