@@ -7,8 +7,10 @@ wait for it together, however fast the machine."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -57,6 +59,16 @@ async def _replies(w: World) -> list[OutboxMessage]:
     ]
 
 
+@contextlib.asynccontextmanager
+async def _boss_paused() -> AsyncIterator[tuple[World, Worker, str, list[OutboxMessage]]]:
+    """One worker, a ``boss`` task paused on its ghost calls, and their replies unpublished."""
+    async with world(ghost_app()) as w:
+        w.broker.declare_queue(w.names.tasks("ghost"))
+        worker = await w.start_worker("w1")
+        task_id = await w.publish("boss", {})
+        yield w, worker, task_id, await _replies(w)
+
+
 async def _arrive_together(
     w: World, worker: Worker, task_id: str, replies: list[OutboxMessage]
 ) -> None:
@@ -84,11 +96,7 @@ async def _answered_once(w: World, task_id: str, replies: list[OutboxMessage]) -
 
 
 async def test_replies_waiting_together_are_recorded_in_one_append() -> None:
-    async with world(ghost_app()) as w:
-        w.broker.declare_queue(w.names.tasks("ghost"))
-        worker = await w.start_worker("w1")
-        task_id = await w.publish("boss", {})
-        replies = await _replies(w)
+    async with _boss_paused() as (w, worker, task_id, replies):
         await _arrive_together(w, worker, task_id, replies)
         await _answered_once(w, task_id, replies)
         events = await w.store.read_stream(task_id)
@@ -107,11 +115,7 @@ async def test_replies_waiting_together_are_recorded_in_one_append() -> None:
 
 
 async def test_the_same_reply_twice_in_one_wait_claims_its_call_once() -> None:
-    async with world(ghost_app()) as w:
-        w.broker.declare_queue(w.names.tasks("ghost"))
-        worker = await w.start_worker("w1")
-        task_id = await w.publish("boss", {})
-        replies = await _replies(w)
+    async with _boss_paused() as (w, worker, task_id, replies):
         twice = replies[0]
         await _arrive_together(w, worker, task_id, [twice, *replies[1:2], twice])
         await eventually(lambda: w.broker.unsettled() == 0, "the three replies acked")
@@ -120,11 +124,7 @@ async def test_the_same_reply_twice_in_one_wait_claims_its_call_once() -> None:
 
 
 async def test_replies_decided_on_a_stale_copy_are_decided_again_on_the_log() -> None:
-    async with world(ghost_app()) as w:
-        w.broker.declare_queue(w.names.tasks("ghost"))
-        worker = await w.start_worker("w1")
-        task_id = await w.publish("boss", {})
-        replies = await _replies(w)
+    async with _boss_paused() as (w, worker, task_id, replies):
         recorder = worker.recorder
         async with recorder.locks.hold(task_id):
             # another writer appends meanwhile: the worker's cached copy of the stream is stale
