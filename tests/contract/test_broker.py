@@ -28,6 +28,7 @@ from ..harness.broker import close_broker_connections, delete_topology, fresh_pr
 from ..support import Services, require
 
 AGENT = "agent"
+EVEN = {"m-0", "m-2", "m-4"}
 WITHIN = 30.0
 
 
@@ -219,6 +220,33 @@ class BrokerContract:
         inbox.hold.set()
         for delivery in inbox.deliveries[3:]:
             await broker.ack(delivery)
+
+    async def test_acks_made_together_settle_exactly_their_own_deliveries(
+        self, backend: Backend
+    ) -> None:
+        """Acks of one moment may go out together (``AmqpBroker`` batches them): each settles
+        its own delivery, not the ones between them, and the others come back on a close."""
+        first = await backend.open()
+        await first.declare(backend.names, [AGENT])
+        inbox = Inbox()
+        await first.consume(backend.names.tasks(AGENT), inbox, prefetch=6)
+        await first.publish_all([message(backend.names, n) for n in range(6)])
+        delivered = await inbox.wait_for(6)
+        await asyncio.gather(*(first.ack(d) for d in delivered if d.message_id in EVEN))
+        await first.close()
+        second = await backend.open()
+        other = Inbox()
+        await second.consume(backend.names.tasks(AGENT), other, prefetch=10)
+        # a message published after them comes after whatever of them is still in the queue
+        await second.publish(message(backend.names, 9))
+        await eventually(
+            lambda: "m-9" in {d.message_id for d in other.deliveries}, "the message after them"
+        )
+        assert sorted(d.message_id for d in other.deliveries) == ["m-1", "m-3", "m-5", "m-9"]
+        assert all(d.redelivered for d in other.deliveries if d.message_id != "m-9")
+        for delivery in other.deliveries:
+            await second.ack(delivery)
+        other.hold.set()
 
     async def test_an_unsettled_delivery_returns_when_its_connection_drops(
         self, backend: Backend

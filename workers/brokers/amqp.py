@@ -8,11 +8,14 @@ boundary into the port's own (``workers.broker``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import aio_pika
+import aiormq.abc
 import aiormq.exceptions
 from aio_pika.abc import (
     AbstractChannel,
@@ -73,6 +76,13 @@ def delivery_of(message: AbstractIncomingMessage, queue: str) -> Delivery:
     )
 
 
+@dataclass(slots=True)
+class _Acks:
+    written: asyncio.Future[None]
+    """Done once the frame of every ack below is handed to the socket (or failed)."""
+    tags: list[int] = field(default_factory=list)
+
+
 def _translated(error: BaseException) -> BrokerError:
     if isinstance(error, BrokerError):
         return error
@@ -108,6 +118,9 @@ class AmqpBroker(Broker):
         self._names: Names | None = None
         self._waits: set[int] = set()
         """The wait steps (ms) declared on this connection."""
+        self._acks: dict[aiormq.abc.AbstractChannel, _Acks] = {}
+        """Per channel, the acks of this turn of the loop, sent together at its end."""
+        self._sending: set[asyncio.Future[None]] = set()
 
     async def connect(self) -> None:
         try:
@@ -240,11 +253,47 @@ class AmqpBroker(Broker):
             raise _translated(error) from error
 
     async def ack(self, delivery: Delivery) -> None:
+        """Acks made in one turn of the event loop on one channel go out in one write (one
+        ``basic.ack`` frame each, so nothing depends on which other tags are settled); each
+        returns once that write is handed to the socket, as aiormq's own ack does."""
         message: AbstractIncomingMessage = delivery.handle
         try:
-            await message.ack()
+            channel = message.channel  # (aio-pika raises once it is closed)
+            if channel.is_closed:  # as aiormq's basic_ack checks first
+                raise aiormq.exceptions.ChannelInvalidStateError(f"{channel!r} closed")
+            if message.delivery_tag is None:  # (a message got without a consumer's ack)
+                return
+            acks = self._acks.get(channel)
+            if acks is None:
+                # the channel rejects its futures when it closes: no ack waits for ever
+                acks = self._acks[channel] = _Acks(channel.create_future())
+                asyncio.get_running_loop().call_soon(self._send_acks, channel)
+            acks.tags.append(message.delivery_tag)
+            # shielded: one waiter cancelled (its handler's channel closing) leaves the rest
+            await asyncio.shield(acks.written)
         except _UNAVAILABLE as error:
             raise _translated(error) from error
+
+    def _send_acks(self, channel: aiormq.abc.AbstractChannel) -> None:
+        acks = self._acks.pop(channel)
+        if channel.is_closed:
+            if not acks.written.done():
+                acks.written.set_exception(
+                    aiormq.exceptions.ChannelInvalidStateError(f"{channel!r} closed")
+                )
+            return
+        frame = aiormq.abc.ChannelFrame.marshall(
+            channel_number=channel.number,
+            frames=[aiormq.spec.Basic.Ack(delivery_tag=tag) for tag in acks.tags],
+            drain_future=acks.written,
+        )
+        queue = channel.connection.write_queue
+        try:
+            queue.put_nowait(frame)
+        except asyncio.QueueFull:  # the writer is behind: wait for room, as aiormq would
+            task = asyncio.ensure_future(queue.put(frame))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
 
     async def requeue(self, delivery: Delivery) -> None:
         message: AbstractIncomingMessage = delivery.handle
