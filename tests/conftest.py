@@ -16,6 +16,28 @@ from .harness.database import fresh_database_url
 from .support import Capability, Services, reachable, require, started_services
 
 EXAMPLE_AGENTS = ("orchestrator", "researcher")
+SIMULATION_TEST = "test_every_invariant_holds_over_ten_thousand_seeds"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When the session runs the 10,000-seed simulation among other tests, its seeds start
+    now, in one background process at a low priority (CPU the other tests leave idle): the
+    simulation's test then runs only what is left (``tests.simulation.runner.HeadStart``)."""
+    if session.config.option.collectonly:
+        return
+    names = [item.name for item in session.items]
+    if SIMULATION_TEST in names and len(names) > 1:
+        from .simulation.runner import HEAD_START, HeadStart, default_seeds
+
+        session.config.stash[HEAD_START] = HeadStart(default_seeds())
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from .simulation.runner import HEAD_START
+
+    head_start = session.config.stash.get(HEAD_START, None)
+    if head_start is not None:
+        head_start.close()
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import pytest
+
 from events.codec import dumps
 
 from .invariants import problems
@@ -22,7 +24,17 @@ from .mutations import MUTATIONS, mutated
 from .scenario import FAULT_KINDS, Scenario
 from .world import Observed, run
 
-__all__ = ["Failure", "check", "history", "replay_command", "run_seeds", "shrink"]
+__all__ = [
+    "HEAD_START",
+    "Failure",
+    "HeadStart",
+    "check",
+    "default_seeds",
+    "history",
+    "replay_command",
+    "run_seeds",
+    "shrink",
+]
 
 
 @dataclass(frozen=True)
@@ -113,9 +125,11 @@ _stop: Any = None
 """In a pool's process: the event set once any process found a failure (``stop_at_first``)."""
 
 
-def _share_stop(event: Any) -> None:
+def _share_stop(event: Any, niceness: int = 0) -> None:
     global _stop
     _stop = event
+    if niceness:
+        os.nice(niceness)
 
 
 def _run_range(seeds: Sequence[int], mutation: str | None, stop_at_first: bool) -> list[Failure]:
@@ -177,3 +191,53 @@ def run_seeds(
                 pool.shutdown(wait=True, cancel_futures=True)
                 break
     return sorted(failures, key=lambda f: f.seed)
+
+
+def default_seeds() -> range:
+    """The seeds of the default test run: 0 to ``WAYSTATION_SIM_SEEDS`` (10,000)."""
+    return range(int(os.environ.get("WAYSTATION_SIM_SEEDS", "10000")))
+
+
+class HeadStart:
+    """``seeds`` run in the background while other work goes on (the rest of a test session), in
+    one process at a low priority (``nice`` 10: it takes the CPU the other work leaves idle and
+    yields it when that work wants it), in chunks of ``chunk`` seeds.
+
+    :meth:`finish` then runs the chunks not started yet with every process, waits for the ones
+    under way, and returns the failures of every seed, exactly as :func:`run_seeds` would.
+    """
+
+    def __init__(
+        self, seeds: Sequence[int], *, chunk: int = 100, mutation: str | None = None
+    ) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._mutation = mutation
+        self._chunks = list(_chunks(seeds, chunk))
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=context, initializer=_share_stop, initargs=(context.Event(), 10)
+        )
+        self._futures = [self._pool.submit(_run_range, c, mutation, False) for c in self._chunks]
+
+    @property
+    def done(self) -> int:
+        """How many chunks are done so far."""
+        return sum(future.done() for future in self._futures)
+
+    def finish(self, *, processes: int | None = None) -> list[Failure]:
+        left = [chunk for chunk, f in zip(self._chunks, self._futures, strict=True) if f.cancel()]
+        failures = run_seeds(
+            [seed for chunk in left for seed in chunk], processes=processes, mutation=self._mutation
+        )
+        for future in self._futures:
+            if not future.cancelled():
+                failures.extend(future.result())
+        self.close()
+        return sorted(failures, key=lambda f: f.seed)
+
+    def close(self) -> None:
+        """Stop: chunks not started are dropped, the one under way is waited for."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+HEAD_START = pytest.StashKey[HeadStart]()
+"""Where a test session keeps the head start of the default seeds (``tests/conftest.py``)."""

@@ -1,8 +1,9 @@
 """The deterministic simulation of the real worker (issue 11, section 3).
 
 * Ten thousand seeds (``WAYSTATION_SIM_SEEDS``) in parallel processes: every invariant of
-  ``tests.simulation.invariants`` holds in every run. A failure prints the command that replays
-  its (shrunk) scenario step by step.
+  ``tests.simulation.invariants`` holds in every run. In a whole test session they start at
+  collection, in one background process at a low priority, and this test runs what is left.
+  A failure prints the command that replays its (shrunk) scenario step by step.
 * The same seed gives the same history, byte for byte.
 * Each defect of section 4 that the simulation covers, put back (``tests.simulation.mutations``),
   is caught within a bounded number of seeds.
@@ -10,29 +11,45 @@
 
 from __future__ import annotations
 
-import os
+import time
 
 import pytest
 
 from .mutations import MUTATIONS
-from .runner import history, run_seeds
+from .runner import HEAD_START, HeadStart, check, default_seeds, history, run_seeds
 from .scenario import Scenario
 from .world import run
 
-SEEDS = int(os.environ.get("WAYSTATION_SIM_SEEDS", "10000"))
+SEEDS = len(default_seeds())
 MUTATION_SEEDS = 6000
 """Seeds a mutation may take to be caught (the slowest, k-sequential-sweeper, needs a slow
 handler run in place across another task's deadline on the same worker: ~1 seed in 1,000)."""
 
 
 @pytest.mark.timeout(1500)
-def test_every_invariant_holds_over_ten_thousand_seeds() -> None:
-    failures = run_seeds(range(SEEDS))
+def test_every_invariant_holds_over_ten_thousand_seeds(request: pytest.FixtureRequest) -> None:
+    """(In a whole test session the seeds start in the background at collection, see
+    ``tests/conftest.py``; what has not run by now runs here, with every process.)"""
+    head_start = request.config.stash.get(HEAD_START, None)
+    failures = head_start.finish() if head_start is not None else run_seeds(default_seeds())
     report = "\n".join(
         f"seed {f.seed}: {'; '.join(f.problems[:3])}\n    replay: {f.command}"
         for f in failures[:10]
     )
     assert not failures, f"{len(failures)} of {SEEDS} seeds failed:\n{report}"
+
+
+def test_a_head_start_reports_the_failures_of_seeds_run_in_the_background_and_after() -> None:
+    """(so that the test above, which takes the background's results, could fail)"""
+    head_start = HeadStart(range(30), chunk=5, mutation="a-unstorable-outcome")
+    # wait until the background process ran some chunks itself, so that both halves count
+    deadline = time.monotonic() + 300
+    while head_start.done < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    failed = {failure.seed for failure in head_start.finish()}
+    expected = {s for s in range(30) if check(Scenario.generate(s), "a-unstorable-outcome")}
+    assert expected and min(expected) < 5 and max(expected) >= 10  # in both halves
+    assert failed == expected
 
 
 @pytest.mark.parametrize("seed", [7, 51, 1060])
