@@ -22,7 +22,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -36,6 +35,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from events.codec import dumps
 
 if TYPE_CHECKING:
+    from aiohttp import web
     from sqlalchemy.ext.asyncio import AsyncEngine
 
     from events.postgres import HorizonHolder, PostgresEventStore
@@ -211,6 +211,8 @@ class HttpServer:
     async def start(self) -> None:
         if not self.port:
             return
+        from aiohttp import web  # here: a process that serves no metrics never imports it
+
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
@@ -242,6 +244,8 @@ class HttpServer:
             except Exception as error:  # a scrape must answer even when the database is down
                 self.metrics.scrape_errors.inc()
                 log.debug("scrape: database gauges not refreshed: %r", error)
+        from aiohttp import web
+
         body = generate_latest(self.metrics.registry)
         response = web.Response(body=body)
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
@@ -254,6 +258,8 @@ class HttpServer:
             return Health(False, {"error": repr(error)})
 
     async def _healthz(self, _: web.Request) -> web.Response:
+        from aiohttp import web
+
         health = await self._check_health()
         detail = dict(health.detail)
         if self._horizon is not None:

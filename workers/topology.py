@@ -18,7 +18,6 @@ from collections.abc import Iterable
 from urllib.parse import quote
 
 import aio_pika
-import aiohttp
 from aio_pika.abc import AbstractChannel
 from aiormq.abc import FieldTable
 from yarl import URL
@@ -118,6 +117,8 @@ async def _put_policy(
     management_url: str, vhost: str, name: str, pattern: str, definition: dict[str, object]
 ) -> None:
     """Set a policy through the management HTTP API (what ``rabbitmqctl set_policy`` does)."""
+    import aiohttp  # here: only this path needs an HTTP client (it takes ~0.3 s to import)
+
     base = URL(management_url)
     endpoint = f"{base.with_user(None).with_path('')}/api/policies/{quote(vhost, safe='')}/"
     body = {"pattern": pattern, "definition": definition, "priority": 0, "apply-to": "queues"}
