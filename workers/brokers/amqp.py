@@ -282,18 +282,22 @@ class AmqpBroker(Broker):
                     aiormq.exceptions.ChannelInvalidStateError(f"{channel!r} closed")
                 )
             return
-        frame = aiormq.abc.ChannelFrame.marshall(
-            channel_number=channel.number,
-            frames=[aiormq.spec.Basic.Ack(delivery_tag=tag) for tag in acks.tags],
-            drain_future=acks.written,
-        )
-        queue = channel.connection.write_queue
         try:
-            queue.put_nowait(frame)
-        except asyncio.QueueFull:  # the writer is behind: wait for room, as aiormq would
-            task = asyncio.ensure_future(queue.put(frame))
-            self._sending.add(task)
-            task.add_done_callback(self._sending.discard)
+            frame = aiormq.abc.ChannelFrame.marshall(
+                channel_number=channel.number,
+                frames=[aiormq.spec.Basic.Ack(delivery_tag=tag) for tag in acks.tags],
+                drain_future=acks.written,
+            )
+            queue = channel.connection.write_queue
+            try:
+                queue.put_nowait(frame)
+            except asyncio.QueueFull:  # the writer is behind: wait for room, as aiormq would
+                task = asyncio.ensure_future(queue.put(frame))
+                self._sending.add(task)
+                task.add_done_callback(self._sending.discard)
+        except Exception as error:  # a callback's error would reach no one: the acks get it
+            if not acks.written.done():
+                acks.written.set_exception(error)
 
     async def requeue(self, delivery: Delivery) -> None:
         message: AbstractIncomingMessage = delivery.handle
