@@ -83,6 +83,25 @@ def _run_service(coroutine: Coroutine[Any, Any, None]) -> None:
         sys.exit(1)
 
 
+GC_THRESHOLD = 50_000
+"""Allocations between two collections of the youngest generation (Python's default: 700)."""
+
+
+def _spare_the_collector() -> None:
+    """Once a service has started: move what it has built so far (modules, pools, topology)
+    out of the cycle collector's reach, and collect the youngest generation less often.
+
+    The hot path makes many short-lived objects, nearly all freed by reference counting; with
+    the defaults the collector ran every 700 allocations and now and then walked every object
+    of the process: about 4% of a worker's CPU under load (a perf profile). Cyclic garbage
+    still goes, only in bigger batches."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_THRESHOLD, 20, 20)
+
+
 def _stop_on_signal() -> asyncio.Event:
     """An event the first SIGTERM or SIGINT sets: the process stops in order, not mid-commit."""
     stop = asyncio.Event()
@@ -118,6 +137,7 @@ async def _serve(app: Any, settings: Settings) -> None:
     try:
         await server.start()
         await instance.start()
+        _spare_the_collector()
         await stop.wait()
         log.info("stopping")
     finally:
