@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
 
 import orjson
 
-from .codec import as_stored, chain_hash
-from .model import NewEvent, RecordedEvent, hash_body
+from .codec import canonical
+from .model import NewEvent, RecordedEvent
 
 __all__ = ["chain", "recorded_events"]
 
@@ -26,25 +24,44 @@ def chain(
     ]
 
 
-def _stored_hash(prev_hash: bytes, body: dict[str, Any], original: dict[str, Any]) -> bytes:
-    """``chain_hash(prev_hash, original)`` computed from ``body``, the same body with its data
-    and metadata already in stored form (``as_stored``): their encoding is already canonical, so
-    it is not folded a second time. A number written with an exponent (a float of 1e16 or more
-    that came back as a float beyond 64 bits, which the fold writes as digits), or a value orjson
-    cannot encode again, takes the long way."""
-    try:
-        encoded = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
-    except orjson.JSONEncodeError:
-        return chain_hash(prev_hash, original)
-    if _EXPONENT.search(encoded):
-        return chain_hash(prev_hash, original)
+def _event_hash(
+    prev_hash: bytes,
+    stream: bytes,
+    version: int,
+    event_id: str,
+    event_type: str,
+    schema_version: int,
+    data: bytes,
+    metadata: bytes,
+) -> bytes:
+    """``chain_hash(prev_hash, hash_body(...))`` from parts already encoded: ``stream`` the stream
+    id as JSON, ``data`` and ``metadata`` canonical JSON (``events.codec.canonical``). The body's
+    keys are fixed and every value is encoded on its own, so the canonical encoding of the whole
+    body is theirs put together in sorted key order; nothing is encoded twice (a property test
+    holds it equal to ``chain_hash``)."""
     digest = hashlib.sha256(prev_hash)
-    digest.update(encoded)
+    digest.update(
+        b"".join(
+            (
+                b'{"data":',
+                data,
+                b',"event_id":"',
+                event_id.encode(),
+                b'","event_type":',
+                orjson.dumps(event_type),
+                b',"metadata":',
+                metadata,
+                b',"schema_version":',
+                str(schema_version).encode(),
+                b',"stream_id":',
+                stream,
+                b',"stream_version":',
+                str(version).encode(),
+                b"}",
+            )
+        )
+    )
     return digest.digest()
-
-
-_EXPONENT = re.compile(rb"[:\[,]-?\d+(?:\.\d+)?[eE]")
-"""A JSON number written with an exponent (inside a string it only costs the long way)."""
 
 
 def recorded_events(
@@ -63,14 +80,19 @@ def recorded_events(
     a writer's own copy decides exactly as a read of the stream would."""
     recorded = []
     previous = prev_hash
+    stream = orjson.dumps(stream_id)
     for offset, event in enumerate(events, start=1):
         version = expected_version + offset
-        data, metadata = as_stored(event.data), as_stored(event.metadata)
-        identity = (stream_id, version, event.event_id, event.event_type, event.schema_version)
-        digest = _stored_hash(
+        data, metadata = canonical(event.data), canonical(event.metadata)
+        digest = _event_hash(
             previous,
-            hash_body(*identity, data, metadata),
-            hash_body(*identity, event.data, event.metadata),
+            stream,
+            version,
+            str(event.event_id),
+            event.event_type,
+            event.schema_version,
+            data,
+            metadata,
         )
         recorded.append(
             RecordedEvent(
@@ -78,8 +100,9 @@ def recorded_events(
                 stream_version=version,
                 event_id=event.event_id,
                 event_type=event.event_type,
-                data=data,
-                metadata=metadata,
+                # as the log gives them back (``events.codec.as_stored``)
+                data=orjson.loads(data),
+                metadata=orjson.loads(metadata),
                 schema_version=event.schema_version,
                 prev_hash=previous,
                 hash=digest,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import uuid
 from decimal import Decimal
 from typing import Any
 
@@ -19,7 +20,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events import GENESIS_HASH, canonical, chain_hash
+from events import GENESIS_HASH, NewEvent, canonical, chain_hash
+from events.chain import recorded_events
+from events.model import hash_body
+from events.task import _EVENT_NAMESPACE, event_id
 
 text = st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=8)
 finite_floats = st.floats(allow_nan=False, allow_infinity=False)
@@ -228,3 +232,60 @@ def test_a_chain_breaks_where_an_event_was_altered() -> None:
         recomputed.append(prev)
     assert recomputed[:2] == hashes[:2]
     assert all(a != b for a, b in zip(recomputed[2:], hashes[2:], strict=True))
+
+
+@given(
+    prev=st.binary(min_size=32, max_size=32),
+    stream=text,
+    version=st.integers(0, 2**31 - 10),
+    events=st.lists(
+        st.tuples(
+            st.uuids(),
+            text,
+            st.integers(1, 99),
+            st.dictionaries(text, json_values, max_size=4),
+            st.dictionaries(text, json_values, max_size=4),
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+)
+def test_an_appends_chain_is_chain_hash_over_each_events_body(
+    prev: bytes, stream: str, version: int, events: list[tuple[Any, ...]]
+) -> None:
+    """``recorded_events`` hashes canonical pieces put together, never the whole body: it must
+    give exactly ``chain_hash`` of each event's body, as written and as the log gives it back,
+    whatever the strings hold (quotes, escapes, non-ASCII) and whatever the numbers are."""
+    new = [
+        NewEvent(event_id=i, event_type=t, data=d, metadata=m, schema_version=s)
+        for i, t, s, d, m in events
+    ]
+    previous = prev
+    for event, written in zip(recorded_events(stream, version, new, prev), new, strict=True):
+        assert event.prev_hash == previous
+        as_written = hash_body(
+            stream,
+            event.stream_version,
+            written.event_id,
+            written.event_type,
+            written.schema_version,
+            written.data,
+            written.metadata,
+        )
+        assert event.hash == chain_hash(previous, as_written)
+        assert event.hash == chain_hash(previous, event.hash_body())
+        assert event.hash == chain_hash(previous, through_jsonb(event.hash_body()))
+        previous = event.hash
+
+
+@given(stream=text, key=text, index=st.integers(0, 10**6))
+def test_event_ids_are_the_uuid5_of_what_caused_them(stream: str, key: str, index: int) -> None:
+    """Event ids are computed without ``uuid.uuid5`` (it imports on every call) but must stay
+    exactly its value: a redelivery after an upgrade must find its events by the same ids."""
+    expected = uuid.uuid5(_EVENT_NAMESPACE, f"{stream}\x1f{key}\x1f{index}")
+    assert event_id(stream, key, index) == expected
+    assert str(event_id(stream, key, index)) == str(expected)
+
+
+def test_an_event_id_is_the_one_earlier_versions_wrote() -> None:
+    assert str(event_id("task-1", "reply:task-1:1:0", 1)) == "b81759f3-b5c7-554f-8ab1-11892f5ffa33"
