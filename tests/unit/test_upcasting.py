@@ -157,3 +157,20 @@ def test_every_built_in_type_can_be_read_from_version_1() -> None:
     for name, cls in event_types().items():
         missing = [v for v in range(1, cls.schema_version) if (name, v) not in BUILTIN.steps()]
         assert not missing, f"{name} v{cls.schema_version} has no upcaster from v{missing}"
+
+
+def test_parse_keeps_its_result_only_for_the_built_in_types_and_upcasters() -> None:
+    """A recorded event keeps what ``parse`` made of it with the built-in types and upcasters
+    (workers fold the same events many times); a parse with other types or upcasters is not
+    kept, and a copy with other data is parsed anew."""
+    event = recorded("TaskPaused", {"pause": 1, "state_delta": {}, "calls": []}, 1)
+    first = parse(event)
+    assert isinstance(first, TaskPaused) and first.pause == 1
+    assert parse(event) is first
+    as_greeting = parse(event, types={"TaskPaused": Greeting}, upcasters=Upcasters())
+    assert isinstance(as_greeting, UnknownEvent)  # v1 of a v3 type, no upcaster: not readable
+    assert parse(event) is first
+    changed = dataclasses.replace(event, data={"pause": 2, "state_delta": {}, "calls": []})
+    assert isinstance(parse(changed), TaskPaused) and parse(changed).pause == 2  # type: ignore[union-attr]
+    assert event == dataclasses.replace(event)  # what parse kept takes no part in equality
+    assert "TaskPaused(" not in repr(event)
