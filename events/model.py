@@ -235,12 +235,24 @@ class NewEvent:
     schema_version: int = 1
 
     @classmethod
-    def of(cls, event_id: uuid.UUID, event: DomainEvent, metadata: EventMetadata) -> NewEvent:
+    def of(
+        cls,
+        event_id: uuid.UUID,
+        event: DomainEvent,
+        metadata: EventMetadata | Mapping[str, JSON],
+    ) -> NewEvent:
+        """``event`` to append; ``metadata`` as a model, or already as the log stores it
+        (JSON, no None values: what ``EventMetadata.model_dump(mode="json",
+        exclude_none=True)`` gives), which is copied."""
         return cls(
             event_id=event_id,
             event_type=event.event_type,
             data=event.model_dump(mode="json"),
-            metadata=metadata.model_dump(mode="json", exclude_none=True),
+            metadata=(
+                metadata.model_dump(mode="json", exclude_none=True)
+                if isinstance(metadata, EventMetadata)
+                else dict(metadata)
+            ),
             schema_version=event.schema_version,
         )
 
