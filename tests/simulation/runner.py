@@ -125,7 +125,9 @@ _stop: Any = None
 """In a pool's process: the event set once any process found a failure (``stop_at_first``)."""
 
 
-def _share_stop(event: Any, niceness: int = 0) -> None:
+def _start_process(event: Any, niceness: int = 0) -> None:
+    """A pool process's start: the stop event it shares (None: it never stops early) and how
+    much lower than its parent it runs (``os.nice``)."""
     global _stop
     _stop = event
     if niceness:
@@ -181,7 +183,7 @@ def run_seeds(
     chunks = list(_chunks(seeds, size))
     failures: list[Failure] = []
     with concurrent.futures.ProcessPoolExecutor(
-        processes, mp_context=context, initializer=_share_stop, initargs=(stop,)
+        processes, mp_context=context, initializer=_start_process, initargs=(stop,)
     ) as pool:
         futures = [pool.submit(_run_range, chunk, mutation, stop_at_first) for chunk in chunks]
         for future in concurrent.futures.as_completed(futures):
@@ -214,7 +216,7 @@ class HeadStart:
         self._mutation = mutation
         self._chunks = list(_chunks(seeds, chunk))
         self._pool = concurrent.futures.ProcessPoolExecutor(
-            1, mp_context=context, initializer=_share_stop, initargs=(context.Event(), 10)
+            1, mp_context=context, initializer=_start_process, initargs=(None, 10)
         )
         self._futures = [self._pool.submit(_run_range, c, mutation, False) for c in self._chunks]
 
