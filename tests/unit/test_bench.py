@@ -317,3 +317,26 @@ def test_rss_summary_per_worker_and_largest() -> None:
         "second_half_growth_mb": 1.0,
     }
     assert rss["per_worker"]["b"]["peak_mb"] == 60.0
+
+
+def test_cpu_is_also_compared_with_celerys_run_by_run() -> None:
+    """The machine's speed moves from run to run; each run's CPU per parent is set against
+    Celery's in the same run, and the table gives the median of those ratios."""
+    results = _results()
+    for run, (ours, theirs) in zip(
+        results["runs"], ((8.0, 16.0), (12.0, 15.0), (6.0, 10.0)), strict=True
+    ):
+        run["throughput"]["worker_cpu_ms_per_parent"] = ours
+        run["celery_throughput"]["worker_cpu_ms_per_parent"] = theirs
+        run["celery_throughput"]["machine_cpu_ms_per_parent"] = 2 * ours
+    results["runs"][2]["celery_throughput"]["machine_cpu_ms_per_parent"] = None  # not measured
+    summary = summarise(bench.parse_args(["--compare", "celery"]), results)
+    rows = {row["key"]: row for row in summary["table"]}
+    assert rows["worker_cpu_ratio_vs_celery"]["per_run_text"] == "0.50, 0.80, 0.60"
+    # the median of the runs' ratios, not the ratio of the medians (8 / 15)
+    assert summary["worker_cpu_ratio_vs_celery"] == pytest.approx(0.6)
+    assert rows["worker_cpu_ratio_vs_celery"]["target"] == "≤0.56"
+    assert rows["machine_cpu_ratio_vs_celery"]["per_run_text"] == "1.25, 0.83"
+    without = summarise(bench.parse_args(["--compare", "none"]), _results(celery=False))
+    assert without["worker_cpu_ratio_vs_celery"] is None
+    assert "worker_cpu_ratio_vs_celery" not in {row["key"] for row in without["table"]}
