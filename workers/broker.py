@@ -26,6 +26,8 @@ Contract (the shared suite in ``tests/contract/test_broker.py`` runs it against 
 * ``ack(delivery)`` forgets a delivery; ``requeue(delivery)`` returns it to its queue. Either
   raises :class:`BrokerUnavailable` when the delivery's channel is gone: the broker has already
   returned it to its queue and delivers it again, so the redelivery must be recognised (G1).
+  A delivery is settled once: settling it again raises :class:`BrokerUnavailable` and changes
+  nothing (it is no longer ``settleable``).
 * When the connection drops, every unsettled delivery returns to its queue, the handlers still
   running on them are cancelled (aio-pika cancels a closed channel's consumer tasks), and
   publishes not yet confirmed end with :class:`BrokerUnavailable`. The connection comes back by
@@ -182,4 +184,5 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     def settleable(self, delivery: Delivery) -> bool:
-        """False once ``delivery``'s channel is gone (the broker has taken it back)."""
+        """False once ``delivery`` is settled or its channel is gone (the broker has taken it
+        back)."""

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+import aio_pika
 import pytest
 import pytest_asyncio
 
@@ -248,6 +249,31 @@ class BrokerContract:
             await second.ack(delivery)
         other.hold.set()
 
+    async def test_a_delivery_is_settled_once(self, backend: Backend) -> None:
+        """Settling a delivery again raises and sends nothing: RabbitMQ would close the channel
+        for a tag settled twice, and every other delivery on it would return to its queue."""
+        broker = await backend.open()
+        await broker.declare(backend.names, [AGENT])
+        inbox = Inbox()
+        await broker.consume(backend.names.tasks(AGENT), inbox, prefetch=3)
+        await broker.publish_all([message(backend.names, n) for n in range(3)])
+        acked, requeued, held = await inbox.wait_for(3)
+        await broker.ack(acked)
+        assert not broker.settleable(acked)
+        for settle in (broker.ack, broker.requeue, broker.ack):
+            with pytest.raises(BrokerUnavailable):
+                await settle(acked)
+        await broker.requeue(requeued)
+        with pytest.raises(BrokerUnavailable):
+            await broker.requeue(requeued)
+        # it comes again after the broker saw all of the above: the channel is still the same
+        again = (await inbox.wait_for(4))[3]
+        assert again.message_id == requeued.message_id and again.redelivered
+        assert broker.settleable(held)
+        await broker.ack(held)
+        await broker.ack(again)
+        inbox.hold.set()
+
     async def test_an_unsettled_delivery_returns_when_its_connection_drops(
         self, backend: Backend
     ) -> None:
@@ -387,6 +413,39 @@ class TestAmqpBroker(BrokerContract):
             await broker.close()
         await delete_topology(services.amqp_url, names.prefix, [AGENT])
         await clear_policy(names)
+
+    async def test_a_consumer_aio_pika_recovers_itself_still_delivers(
+        self, backend: Backend
+    ) -> None:
+        """The broker's consumers take aiormq's deliveries as they come; aio-pika's recovery of
+        a consumer the broker cancelled (its channel still open) registers it again through its
+        base ``Queue.consume``, which hands over aio-pika's messages instead: those are
+        delivered and settled the same way."""
+        broker = await backend.open()
+        assert isinstance(broker, AmqpBroker)
+        await broker.declare(backend.names, [AGENT])
+        inbox = Inbox()
+        await broker.consume(backend.names.tasks(AGENT), inbox, prefetch=2)
+        ((queue, tag),) = broker._consumers
+        assert isinstance(queue, aio_pika.RobustQueue)
+        recorded = dict(queue._consumers[tag])
+        await queue.cancel(tag)
+        # what RobustChannel._restore_missing_consumers does for a cancelled consumer
+        await aio_pika.Queue.consume(queue, consumer_tag=tag, **recorded)
+        await broker.publish(message(backend.names, 1))
+        (delivery,) = await inbox.wait_for(1)
+        assert (delivery.message_id, delivery.correlation_id, delivery.type) == (
+            "m-1",
+            "c-1",
+            "task",
+        )
+        assert delivery.headers["x-test"] == 1 and not delivery.redelivered
+        await broker.requeue(delivery)
+        again = (await inbox.wait_for(2))[1]
+        assert again.message_id == "m-1" and again.redelivered and again.broker_count == 1
+        await broker.ack(again)
+        assert not broker.settleable(again)
+        inbox.hold.set()
 
 
 # ---- in memory ----------------------------------------------------------------------------------
