@@ -77,12 +77,29 @@ def recorded_events(
     """The events of an append as the log holds them once it commits: chained, versioned,
     numbered from ``first_position`` (0: positions not known, as for a writer's own copy), and
     with data and metadata in the form the log gives back (``events.codec.as_stored``), so that
-    a writer's own copy decides exactly as a read of the stream would."""
+    a writer's own copy decides exactly as a read of the stream would.
+
+    An event made again from the same inputs (its ``NewEvent`` chained at the same place of the
+    same stream, after the same hash) is the one made before (``NewEvent._recorded``)."""
     recorded = []
     previous = prev_hash
     stream = orjson.dumps(stream_id)
     for offset, event in enumerate(events, start=1):
         version = expected_version + offset
+        position = first_position + offset - 1 if first_position else 0
+        made = event._recorded
+        if (
+            made is not None
+            and made.prev_hash == previous
+            and made.stream_version == version
+            and made.stream_id == stream_id
+            and made.global_position == position
+            and made.tx_id == tx_id
+            and made.recorded_at == recorded_at
+        ):
+            recorded.append(made)
+            previous = made.hash
+            continue
         data, metadata = canonical(event.data), canonical(event.metadata)
         digest = _event_hash(
             previous,
@@ -94,22 +111,22 @@ def recorded_events(
             data,
             metadata,
         )
-        recorded.append(
-            RecordedEvent(
-                stream_id=stream_id,
-                stream_version=version,
-                event_id=event.event_id,
-                event_type=event.event_type,
-                # as the log gives them back (``events.codec.as_stored``)
-                data=orjson.loads(data),
-                metadata=orjson.loads(metadata),
-                schema_version=event.schema_version,
-                prev_hash=previous,
-                hash=digest,
-                global_position=first_position + offset - 1 if first_position else 0,
-                tx_id=tx_id,
-                recorded_at=recorded_at,
-            )
+        made = RecordedEvent(
+            stream_id=stream_id,
+            stream_version=version,
+            event_id=event.event_id,
+            event_type=event.event_type,
+            # as the log gives them back (``events.codec.as_stored``)
+            data=orjson.loads(data),
+            metadata=orjson.loads(metadata),
+            schema_version=event.schema_version,
+            prev_hash=previous,
+            hash=digest,
+            global_position=position,
+            tx_id=tx_id,
+            recorded_at=recorded_at,
         )
+        object.__setattr__(event, "_recorded", made)
+        recorded.append(made)
         previous = digest
     return recorded

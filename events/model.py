@@ -233,6 +233,10 @@ class NewEvent:
     data: dict[str, JSON]
     metadata: dict[str, JSON] = field(default_factory=dict)
     schema_version: int = 1
+    _recorded: RecordedEvent | None = field(default=None, init=False, repr=False, compare=False)
+    """What ``events.chain.recorded_events`` last made of it, kept: a worker chains a combined
+    append's events, or a resumed run's, to decide on them before the store chains the whole
+    append again; the second time the same inputs give this back."""
 
     @classmethod
     def of(

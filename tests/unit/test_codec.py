@@ -12,6 +12,7 @@ import hashlib
 import math
 import random
 import uuid
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
@@ -235,21 +236,21 @@ def test_a_chain_breaks_where_an_event_was_altered() -> None:
     assert all(a != b for a, b in zip(recomputed[2:], hashes[2:], strict=True))
 
 
+new_event_fields = st.tuples(
+    st.uuids(),
+    text,
+    st.integers(1, 99),
+    st.dictionaries(text, json_values, max_size=4),
+    st.dictionaries(text, json_values, max_size=4),
+)
+"""A ``NewEvent``'s id, type, schema version, data and metadata."""
+
+
 @given(
     prev=st.binary(min_size=32, max_size=32),
     stream=text,
     version=st.integers(0, 2**31 - 10),
-    events=st.lists(
-        st.tuples(
-            st.uuids(),
-            text,
-            st.integers(1, 99),
-            st.dictionaries(text, json_values, max_size=4),
-            st.dictionaries(text, json_values, max_size=4),
-        ),
-        min_size=1,
-        max_size=3,
-    ),
+    events=st.lists(new_event_fields, min_size=1, max_size=3),
 )
 def test_an_appends_chain_is_chain_hash_over_each_events_body(
     prev: bytes, stream: str, version: int, events: list[tuple[Any, ...]]
@@ -277,6 +278,48 @@ def test_an_appends_chain_is_chain_hash_over_each_events_body(
         assert event.hash == chain_hash(previous, event.hash_body())
         assert event.hash == chain_hash(previous, through_jsonb(event.hash_body()))
         previous = event.hash
+
+
+@given(
+    prev=st.binary(min_size=32, max_size=32),
+    other=st.binary(min_size=32, max_size=32),
+    stream=text,
+    version=st.integers(0, 2**31 - 10),
+    events=st.lists(new_event_fields, min_size=2, max_size=3),
+)
+def test_an_event_chained_again_is_made_anew_wherever_its_place_differs(
+    prev: bytes, other: bytes, stream: str, version: int, events: list[tuple[Any, ...]]
+) -> None:
+    """A ``NewEvent`` keeps what it was last chained into and gives it back for the same
+    inputs (a combined append chained part by part, then whole): anything else about its place
+    (the hash before it, its version, stream, position, transaction, time) makes it anew,
+    exactly as an event never chained before."""
+    new = [
+        NewEvent(event_id=i, event_type=t, data=d, metadata=m, schema_version=s)
+        for i, t, s, d, m in events
+    ]
+
+    def fresh() -> list[NewEvent]:
+        return [
+            NewEvent(e.event_id, e.event_type, e.data, e.metadata, e.schema_version) for e in new
+        ]
+
+    whole = recorded_events(stream, version, fresh(), prev)
+    head = recorded_events(stream, version, new[:1], prev)
+    tail = recorded_events(stream, version + 1, new[1:], head[-1].hash)
+    assert [*head, *tail] == whole
+    assert recorded_events(stream, version, new, prev) == whole
+    when = datetime(2026, 11, 24, tzinfo=UTC)
+    for place in (
+        {"stream_id": stream, "expected_version": version, "prev_hash": other},
+        {"stream_id": stream + "x", "expected_version": version, "prev_hash": prev},
+        {"stream_id": stream, "expected_version": version + 1, "prev_hash": prev},
+        {"stream_id": stream, "expected_version": version, "prev_hash": prev, "tx_id": 7},
+        {"stream_id": stream, "expected_version": version, "prev_hash": prev, "first_position": 3},
+        {"stream_id": stream, "expected_version": version, "prev_hash": prev, "recorded_at": when},
+    ):
+        assert recorded_events(events=new, **place) == recorded_events(events=fresh(), **place)
+    assert recorded_events(stream, version, new, prev) == whole
 
 
 @given(stream=text, key=text, index=st.integers(0, 10**6))
