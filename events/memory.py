@@ -182,8 +182,8 @@ class InMemoryEventStore(EventStore):
     async def pending_call_deadlines(self, task_id: str) -> dict[str, float]:
         return {k: v[2] for k, v in self._pending.items() if v[0] == task_id}
 
-    async def read_stream(self, stream_id: str) -> list[RecordedEvent]:
-        return [_copy(e) for e in self._streams.get(stream_id, ())]
+    async def read_stream(self, stream_id: str, *, after: int = 0) -> list[RecordedEvent]:
+        return [_copy(e) for e in self._streams.get(stream_id, ()) if e.stream_version > after]
 
     async def last_event(self, stream_id: str) -> RecordedEvent | None:
         stream = self._streams.get(stream_id)

@@ -164,7 +164,8 @@ _COLUMNS = """stream_id, stream_version, event_id, event_type, data::text, metad
               schema_version, prev_hash, hash, global_position, tx_id::text, recorded_at"""
 
 _READ_STREAM = text(
-    f"SELECT {_COLUMNS} FROM events WHERE stream_id = :stream ORDER BY stream_version"
+    f"""SELECT {_COLUMNS} FROM events WHERE stream_id = :stream AND stream_version > :after
+        ORDER BY stream_version"""
 )
 
 _LAST_EVENT = text(
@@ -556,8 +557,9 @@ class PostgresEventStore(EventStore):
         except Exception as error:
             raise _translate(error) from error
 
-    async def read_stream(self, stream_id: str) -> list[RecordedEvent]:
-        return [_row_to_event(row) for row in await self._fetch(_READ_STREAM_ASYNCPG, stream_id)]
+    async def read_stream(self, stream_id: str, *, after: int = 0) -> list[RecordedEvent]:
+        rows = await self._fetch(_READ_STREAM_ASYNCPG, stream_id, after)
+        return [_row_to_event(row) for row in rows]
 
     async def last_event(self, stream_id: str) -> RecordedEvent | None:
         rows = await self._fetch(_LAST_EVENT_ASYNCPG, stream_id)

@@ -123,7 +123,9 @@ class EventStore(abc.ABC):
     ) -> AppendResult: ...
 
     @abc.abstractmethod
-    async def read_stream(self, stream_id: str) -> list[RecordedEvent]: ...
+    async def read_stream(self, stream_id: str, *, after: int = 0) -> list[RecordedEvent]:
+        """The stream's events in order; with ``after``, only those of a later version (a
+        reader that holds the stream up to ``after`` catches up)."""
 
     async def last_event(self, stream_id: str) -> RecordedEvent | None:
         """The stream's newest event, or None when it has none. Backends answer from their index

@@ -112,7 +112,14 @@ Extend = Callable[
 ]
 Decide = Callable[[TaskState], list[DomainEvent]]
 Key = Callable[[list[DomainEvent]], str]
-_FROM_LOG = "from the log"
+
+
+@dataclass(frozen=True, slots=True)
+class _FromLog:
+    """A plan decided on this worker's copy of the stream that needs the log instead: ``known``
+    is that copy, which the read of the log catches up from."""
+
+    known: list[RecordedEvent]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +159,7 @@ _Plan = (
         list[tuple[_Waiting, TaskState]],
         bool,
     ]
-    | str
+    | _FromLog
     | None
 )
 
@@ -299,14 +306,18 @@ class Recorder:
         return (await self.load_events(task_id))[0]
 
     async def load_events(
-        self, task_id: str, *, cached: bool = False
+        self, task_id: str, *, cached: bool = False, known: list[RecordedEvent] | None = None
     ) -> tuple[TaskState, list[RecordedEvent], bool]:
         """The task's state, the events it was folded from, and whether they came from this
-        worker's own copy (which may be stale) rather than from the log."""
+        worker's own copy (which may be stale) rather than from the log.
+
+        ``known``: the stream up to some version, as this worker last had it (a copy that
+        turned out stale, or must not be trusted alone). The log is then read from after it
+        only: the log is append-only, so what it held stays as it was."""
         recorded = self.cache.take(task_id) if cached else None
         from_cache = recorded is not None
         if recorded is None:
-            recorded = await self._through_outages(lambda: self.store.read_stream(task_id))
+            recorded = await self._read(task_id, known)
         else:
             self.observer.count("stream_cache_hits")
         state = fold(task_id, recorded)
@@ -315,6 +326,19 @@ class Recorder:
             # deciding on part of the story could contradict what the unread events say
             raise UnreadableStream(f"task {task_id}: cannot read {', '.join(state.unreadable)}")
         return state, recorded, from_cache
+
+    async def _read(self, task_id: str, known: list[RecordedEvent] | None) -> list[RecordedEvent]:
+        """The stream from the log, read from after ``known`` when that links up (its last
+        event's hash is the next one's ``prev_hash``), else whole."""
+        if known:
+            last = known[-1]
+            newer = await self._through_outages(
+                lambda: self.store.read_stream(task_id, after=last.stream_version)
+            )
+            if not newer or newer[0].prev_hash == last.hash:
+                self.observer.count("stream_catch_ups")
+                return [*known, *newer]
+        return await self._through_outages(lambda: self.store.read_stream(task_id))
 
     def metadata(self, state: TaskState, cause: Cause) -> dict[str, Any]:
         """The metadata of the events of a decision, as the log stores it (``EventMetadata``'s
@@ -396,11 +420,13 @@ class Recorder:
         """:meth:`append_decision` for one decision, under its stream's lock."""
         found: str | None = None
         cached = True
+        known: list[RecordedEvent] | None = None
         for _ in range(MAX_CONFLICT_RETRIES):
             # first from what this worker last wrote to the stream, if it is still cached:
-            # a stale copy only costs a conflict, since the append checks the version
-            state, history, from_cache = await self.load_events(task_id, cached=cached)
-            cached = False
+            # a stale copy only costs a conflict, since the append checks the version; then
+            # from the log, read from after what was seen last
+            state, history, from_cache = await self.load_events(task_id, cached=cached, known=known)
+            cached, known = False, history
             events = decide(state)
             if not events:
                 if from_cache:
@@ -463,10 +489,11 @@ class Recorder:
         handler, on the cached copy (which may be stale) makes the whole batch be decided again
         on the log itself."""
         cached = True
+        known: list[RecordedEvent] | None = None
         while True:
-            plan = await self._plan(task_id, batch, cached=cached)
-            if plan == _FROM_LOG:
-                cached = False
+            plan = await self._plan(task_id, batch, cached=cached, known=known)
+            if isinstance(plan, _FromLog):
+                cached, known = False, plan.known
                 continue
             if not isinstance(plan, tuple):
                 return
@@ -479,7 +506,8 @@ class Recorder:
                 except VersionConflict:
                     self.observer.version_conflict()
                     if from_cache:
-                        cached = False  # decided on a stale copy: once more, on the log
+                        # decided on a stale copy: once more, on the log
+                        cached, known = False, history
                         continue
                     return
                 if not committed:
@@ -491,13 +519,20 @@ class Recorder:
                 waiting.applied = Applied(state, [])
             return
 
-    async def _plan(self, task_id: str, batch: list[_Waiting], *, cached: bool) -> _Plan:
+    async def _plan(
+        self,
+        task_id: str,
+        batch: list[_Waiting],
+        *,
+        cached: bool,
+        known: list[RecordedEvent] | None,
+    ) -> _Plan:
         """The decisions of ``batch`` in order, each on the state the ones before leave:
         ``(history, parts, idle, from_cache)`` with the stream's events read, the decisions to
         append, those with nothing to do and whether the events came from this worker's copy;
-        :data:`_FROM_LOG` when one needs the log rather than that copy; None when two share a
-        causation key."""
-        state, history, from_cache = await self.load_events(task_id, cached=cached)
+        :class:`_FromLog` when one needs the log rather than that copy; None when two share a
+        causation key. ``cached`` and ``known``: see :meth:`load_events`."""
+        state, history, from_cache = await self.load_events(task_id, cached=cached, known=known)
         parts: list[tuple[_Waiting, _Part, Extension | None]] = []
         idle: list[tuple[_Waiting, TaskState]] = []
         keys: set[str] = set()
@@ -506,7 +541,7 @@ class Recorder:
             events = waiting.decide(state)
             resuming = waiting.extend is not None and resumes(events)
             if from_cache and (not events or resuming):
-                return _FROM_LOG
+                return _FromLog(history)
             if not events:
                 idle.append((waiting, state))
                 continue

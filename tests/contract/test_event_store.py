@@ -195,6 +195,20 @@ class EventStoreContract:
         assert newest == (await store.read_stream(stream))[-1]
         assert newest is not None and newest.stream_version == 4
 
+    async def test_read_stream_after_a_version_gives_the_events_that_follow_it(
+        self, store: EventStore
+    ) -> None:
+        stream, other = new_stream(), new_stream()
+        await store.append(stream, 0, probes(4), prev_hash=GENESIS_HASH)
+        await store.append(other, 0, probes(3), prev_hash=GENESIS_HASH)
+        whole = await store.read_stream(stream)
+        assert await store.read_stream(stream, after=0) == whole
+        assert await store.read_stream(stream, after=2) == whole[2:]
+        assert [e.stream_version for e in whole[2:]] == [3, 4]
+        assert await store.read_stream(stream, after=4) == []
+        assert await store.read_stream(stream, after=9) == []
+        assert await store.read_stream(new_stream(), after=1) == []
+
     async def test_streams_do_not_mix(self, store: EventStore) -> None:
         a, b = new_stream(), new_stream()
         await store.append(a, 0, probes(2), prev_hash=GENESIS_HASH)

@@ -111,7 +111,7 @@ class FaultyLog(EventStore):
     async def append(self, *args: Any, **kwargs: Any) -> Any:
         await self._fault()
 
-    async def read_stream(self, stream_id: str) -> list[RecordedEvent]:
+    async def read_stream(self, stream_id: str, *, after: int = 0) -> list[RecordedEvent]:
         await self._fault()
         return []
 

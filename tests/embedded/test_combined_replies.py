@@ -14,7 +14,16 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from events import Call, Complete, NewEvent, OutboxMessage, Outcome, Pause, ReplyIgnored
+from events import (
+    Call,
+    Complete,
+    NewEvent,
+    OutboxMessage,
+    Outcome,
+    Pause,
+    RecordedEvent,
+    ReplyIgnored,
+)
 from events.codec import dumps
 from events.model import EventMetadata
 from workers.agent import App, TaskContext
@@ -126,9 +135,18 @@ async def test_the_same_reply_twice_in_one_wait_claims_its_call_once() -> None:
 async def test_replies_decided_on_a_stale_copy_are_decided_again_on_the_log() -> None:
     async with _boss_paused() as (w, worker, task_id, replies):
         recorder = worker.recorder
+        reads: list[int] = []
+        read_stream = w.store.read_stream
+
+        async def spied(stream_id: str, *, after: int = 0) -> list[RecordedEvent]:
+            if stream_id == task_id:
+                reads.append(after)
+            return await read_stream(stream_id, after=after)
+
         async with recorder.locks.hold(task_id):
             # another writer appends meanwhile: the worker's cached copy of the stream is stale
             head = (await w.store.read_stream(task_id))[-1]
+            w.store.read_stream = spied  # type: ignore[method-assign]
             audit = ReplyIgnored(subtask_id=f"{task_id}:9:9", reason="unknown-call", outcome="ok")
             metadata = EventMetadata(worker_id="elsewhere", occurred_at=0.0)
             await w.store.append(
@@ -146,8 +164,16 @@ async def test_replies_decided_on_a_stale_copy_are_decided_again_on_the_log() ->
             )
         await eventually(lambda: w.broker.unsettled() == 0, "both replies acked")
         await w.publisher.publish(replies[2])
+        await w.answer(task_id)
+        w.store.read_stream = read_stream  # type: ignore[method-assign]
         await _answered_once(w, task_id, replies)
         counters = worker.stats.counters
         # decided on the stale copy first, which conflicts; then once more on the log, together
         assert counters.get("version_conflicts") == 1, counters
         assert counters.get("decisions_combined") == 2, counters
+        # the log was read only from after what the worker held: after the stale copy (the
+        # pause), and before the resumed run after its own append of the two replies (a handler
+        # never runs on the cached copy alone), which found nothing newer
+        two_replies = 2 * 2  # a claim and a result each
+        assert reads == [head.stream_version, head.stream_version + 1 + two_replies], reads
+        assert counters.get("stream_catch_ups") == 2, counters

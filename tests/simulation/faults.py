@@ -207,12 +207,12 @@ class FaultyStore(EventStore):
         self._lost("append")
         return result
 
-    async def read_stream(self, stream_id: str) -> list[RecordedEvent]:
+    async def read_stream(self, stream_id: str, *, after: int = 0) -> list[RecordedEvent]:
         await self._enter("read")
         self.reads.setdefault(stream_id, []).append(
             (asyncio.get_running_loop().time(), id(asyncio.current_task()))
         )
-        return await self.inner.read_stream(stream_id)
+        return await self.inner.read_stream(stream_id, after=after)
 
     async def read_all(
         self, after: Position = Position(), limit: int = 1000

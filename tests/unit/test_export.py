@@ -338,8 +338,8 @@ class CommitOrderLog(EventStore):
         self.pages += 1
         return [e for e in self.events if Position.of(e) > after][:limit]
 
-    async def read_stream(self, stream_id: str) -> list[RecordedEvent]:
-        return [e for e in self.events if e.stream_id == stream_id]
+    async def read_stream(self, stream_id: str, *, after: int = 0) -> list[RecordedEvent]:
+        return [e for e in self.events if e.stream_id == stream_id and e.stream_version > after]
 
     async def append(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError

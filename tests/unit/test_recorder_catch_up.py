@@ -1,0 +1,84 @@
+"""A worker that holds a stream up to some version reads the log only from after it
+(``Recorder.load_events``, ``known``): after a copy that turned out stale, and before a resumed
+run, which never runs on the cached copy alone. The log is append-only, so what the worker held
+stays as it was; a copy that does not link up with what follows it is read again whole."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+from events import GENESIS_HASH, NewEvent, RecordedEvent, ReplyIgnored, TaskStarted
+from events.memory import InMemoryEventStore
+from workers.faults import FaultPlan
+from workers.observer import Observer
+from workers.recorder import Recorder
+from workers.wire import Names
+
+TASK = "t-1"
+
+
+class ReadsRecorded(InMemoryEventStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[int] = []
+
+    async def read_stream(self, stream_id: str, *, after: int = 0) -> list[RecordedEvent]:
+        self.reads.append(after)
+        return await super().read_stream(stream_id, after=after)
+
+
+async def _stream_of_four(store: InMemoryEventStore) -> list[RecordedEvent]:
+    events = [
+        TaskStarted(agent="boss", input={}),
+        *(
+            ReplyIgnored(subtask_id=f"{TASK}:9:{n}", reason="unknown-call", outcome="ok")
+            for n in range(3)
+        ),
+    ]
+    version, prev = 0, GENESIS_HASH
+    for event in events:
+        new = NewEvent.of(uuid.uuid4(), event, {"worker_id": "elsewhere"})
+        result = await store.append(TASK, version, [new], prev_hash=prev)
+        version, prev = result.version, result.last_hash
+    return await store.read_stream(TASK)
+
+
+def _recorder(store: InMemoryEventStore) -> Recorder:
+    unused: object = None  # loading needs neither the outbox nor the fault plan's points
+    return Recorder(
+        store,
+        Names(prefix="catch-up."),
+        unused,  # type: ignore[arg-type]
+        Observer(),
+        worker_id="w-1",
+        clock=lambda: 0.0,
+        outbox_delay=1.0,
+        faults=FaultPlan(),
+    )
+
+
+async def test_a_known_copy_is_caught_up_from_the_log_after_its_last_version() -> None:
+    store = ReadsRecorded()
+    log = await _stream_of_four(store)
+    recorder = _recorder(store)
+    store.reads.clear()
+    state, history, from_cache = await recorder.load_events(TASK, known=log[:2])
+    assert store.reads == [2]
+    assert history == log and not from_cache and state.version == 4
+    assert history[0] is log[0] and history[1] is log[1]  # what it held, as it held it
+    _, history, _ = await recorder.load_events(TASK, known=log)
+    assert store.reads == [2, 4] and history == log  # nothing newer
+    assert recorder.observer.stats.counters["stream_catch_ups"] == 2
+
+
+async def test_a_known_copy_that_does_not_link_up_is_read_again_whole() -> None:
+    store = ReadsRecorded()
+    log = await _stream_of_four(store)
+    recorder = _recorder(store)
+    store.reads.clear()
+    wrong = [log[0], dataclasses.replace(log[1], hash=bytes(32))]
+    _, history, _ = await recorder.load_events(TASK, known=wrong)
+    assert store.reads == [2, 0]
+    assert history == log
+    assert "stream_catch_ups" not in recorder.observer.stats.counters
