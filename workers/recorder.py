@@ -20,6 +20,7 @@ import collections
 import contextlib
 import contextvars
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -205,16 +206,30 @@ class StreamCache:
     An entry is taken out when used, so a failed attempt never sees it again.
 
     Bounded by count and by bytes (the JSON of the events' data and metadata): a few streams
-    with huge inputs or results cannot hold a worker's memory (defect j).
+    with huge inputs or results cannot hold a worker's memory (defect j). And by age: a copy
+    not used for ``max_age`` seconds goes. Without it, the copies of streams whose task went on
+    on another worker (its last reply recorded there) stayed until evicted, and the cache
+    filled towards its bounds whatever the worker was doing; a pause that lasts longer costs
+    one read of the stream at its next reply.
     """
 
-    def __init__(self, streams: int = 1024, max_bytes: int = 32 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        streams: int = 1024,
+        max_bytes: int = 32 * 1024 * 1024,
+        max_age: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._max_streams = streams
         self._max_bytes = max_bytes
+        self._max_age = max_age
+        self._clock = clock
         self._bytes = 0
         self._streams: collections.OrderedDict[str, tuple[list[RecordedEvent], int]] = (
             collections.OrderedDict()
         )
+        self._put_at: dict[str, float] = {}
+        """When each stream held was put (``_streams`` is in that order, oldest first)."""
         self._taken: dict[str, tuple[list[RecordedEvent], int]] = {}
         """What ``take`` handed out, so that putting it back with a few more events only
         measures those."""
@@ -237,12 +252,14 @@ class StreamCache:
         if size > self._max_bytes:
             return
         self._streams[stream_id] = (events, size)
+        self._put_at[stream_id] = self._clock()
         self._bytes += size
         while len(self._streams) > self._max_streams or self._bytes > self._max_bytes:
-            _, (_, evicted) = self._streams.popitem(last=False)
-            self._bytes -= evicted
+            self._drop(next(iter(self._streams)))
+        self._expire()
 
     def take(self, stream_id: str) -> list[RecordedEvent] | None:
+        self._expire()
         entry = self._drop(stream_id)
         if entry is None:
             return None
@@ -251,10 +268,20 @@ class StreamCache:
         self._taken[stream_id] = entry
         return entry[0]
 
+    def _expire(self) -> None:
+        """Drop the copies put ``max_age`` seconds ago or earlier (the oldest come first)."""
+        oldest = self._clock() - self._max_age
+        while self._streams:
+            first = next(iter(self._streams))
+            if self._put_at[first] > oldest:
+                return
+            self._drop(first)
+
     def _drop(self, stream_id: str) -> tuple[list[RecordedEvent], int] | None:
         entry = self._streams.pop(stream_id, None)
         if entry is not None:
             self._bytes -= entry[1]
+            del self._put_at[stream_id]
         return entry
 
 
@@ -278,6 +305,7 @@ class Recorder:
         faults: FaultPlan,
         stopping: Callable[[], bool] = lambda: False,
         cache_bytes: int = 32 * 1024 * 1024,
+        cache_seconds: float = 60.0,
         reply_to: Callable[[str], str] | None = None,
     ) -> None:
         self.reply_to = reply_to
@@ -294,7 +322,7 @@ class Recorder:
         self.outbox_delay = outbox_delay
         self.faults = faults
         self.locks = StreamLocks()
-        self.cache = StreamCache(max_bytes=cache_bytes)
+        self.cache = StreamCache(max_bytes=cache_bytes, max_age=cache_seconds)
         self._waiting: dict[str, list[_Waiting]] = {}
         """Per stream, the combinable decisions waiting for its lock, in arrival order."""
 

@@ -123,6 +123,7 @@ class Worker:
             faults=faults,
             stopping=lambda: self._stopping,
             cache_bytes=settings.stream_cache_bytes,
+            cache_seconds=settings.stream_cache_seconds,
             reply_to=self.routes.reply_to,
         )
         self.settler = Settler(self.broker, self.names, self.observer, settings.worker_id)

@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     stream_cache_bytes: int = Field(default=32 * 1024 * 1024, ge=0)
     """Memory a worker may use for its copies of the streams it wrote last (they spare a read
     of the log for the next decision on them); 0 keeps none."""
+    stream_cache_seconds: float = Field(default=60.0, ge=0)
+    """How long a worker keeps its copy of a stream it wrote last (s): a copy older than this is
+    dropped, and the next decision on the stream reads it; 0 keeps none."""
     db_pool_size: int = Field(default=16, ge=1)
     """Database connections per worker, at most (all but two serve the hot path's statements on
     asyncpg's pool, two the rest on SQLAlchemy's; ``events.postgres.split_pool``); handlers

@@ -60,3 +60,38 @@ def test_a_stream_put_back_with_more_events_counts_them_all_and_a_finished_one_g
     assert cache.size == (1, weight(first))
     cache.put("s", first, finished=True)
     assert cache.size == (0, 0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_copy_not_used_for_its_max_age_goes() -> None:
+    """The copies of streams whose task went on elsewhere would otherwise stay until evicted."""
+    clock = Clock()
+    cache = StreamCache(max_age=60.0, clock=clock)
+    cache.put("old", stream(2, stream_id="old"), finished=False)
+    clock.now += 30
+    cache.put("young", stream(2, stream_id="young"), finished=False)
+    clock.now += 29.9
+    assert cache.size[0] == 2
+    kept = cache.take("old")
+    assert kept is not None
+    cache.put("old", kept, finished=False)  # put back: young again
+    clock.now += 30.1  # "young" was put 60 s ago now, "old" 30.1 s ago
+    assert cache.take("young") is None
+    assert cache.size == (1, weight(kept))
+    clock.now += 30
+    cache.put("other", stream(1, stream_id="other"), finished=False)
+    assert cache.size == (1, weight(stream(1, stream_id="other")))
+    assert cache.take("old") is None
+
+
+def test_a_max_age_of_zero_keeps_no_copy() -> None:
+    cache = StreamCache(max_age=0.0, clock=Clock())
+    cache.put("s", stream(2), finished=False)
+    assert cache.size == (0, 0) and cache.take("s") is None
