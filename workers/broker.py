@@ -29,7 +29,7 @@ Contract (the shared suite in ``tests/contract/test_broker.py`` runs it against 
   A delivery is settled once: settling it again raises :class:`BrokerUnavailable` and changes
   nothing (it is no longer ``settleable``).
 * When the connection drops, every unsettled delivery returns to its queue, the handlers still
-  running on them are cancelled (aio-pika cancels a closed channel's consumer tasks), and
+  running on them are cancelled (aiormq cancels a closed channel's consumer tasks), and
   publishes not yet confirmed end with :class:`BrokerUnavailable`. The connection comes back by
   itself and consuming resumes; ``connected`` says which state it is in.
 * A delivery's ``broker_count`` is how many times the broker says it was delivered before

@@ -475,7 +475,7 @@ class InMemoryConnection(Broker):
             for tag, message in unacked.items():
                 task = self._running.pop(tag, None)
                 if task is not None:
-                    task.cancel()  # as aio-pika cancels a closed channel's consumer tasks
+                    task.cancel()  # as aiormq cancels a closed channel's consumer tasks
                 self.broker.give_back(consumer.queue, message)
         self._consumers = []
 
