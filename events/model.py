@@ -235,8 +235,8 @@ class NewEvent:
     schema_version: int = 1
     _recorded: RecordedEvent | None = field(default=None, init=False, repr=False, compare=False)
     """What ``events.chain.recorded_events`` last made of it, kept: a worker chains a combined
-    append's events, or a resumed run's, to decide on them before the store chains the whole
-    append again; the second time the same inputs give this back."""
+    append's parts one by one to decide each on the state the ones before leave, then the store
+    chains the whole append; the second time the same inputs give this back."""
 
     @classmethod
     def of(

@@ -196,6 +196,10 @@ class StreamLocks:
                 self._locks[stream_id] = (lock, users - 1)
 
 
+_Entry = tuple[list[RecordedEvent], int, float]
+"""A stream's events in :class:`StreamCache`, their size in bytes, and when they were put."""
+
+
 class StreamCache:
     """The streams this worker appended to last, as they were after its append (bounded, LRU).
 
@@ -207,7 +211,8 @@ class StreamCache:
 
     Bounded by count and by bytes (the JSON of the events' data and metadata): a few streams
     with huge inputs or results cannot hold a worker's memory (defect j). And by age: a copy
-    not used for ``max_age`` seconds goes. Without it, the copies of streams whose task went on
+    put ``max_age`` seconds ago goes (taking one and putting it back after an append makes it
+    young again). Without it, the copies of streams whose task went on
     on another worker (its last reply recorded there) stayed until evicted, and the cache
     filled towards its bounds whatever the worker was doing; a pause that lasts longer costs
     one read of the stream at its next reply.
@@ -225,12 +230,9 @@ class StreamCache:
         self._max_age = max_age
         self._clock = clock
         self._bytes = 0
-        self._streams: collections.OrderedDict[str, tuple[list[RecordedEvent], int]] = (
-            collections.OrderedDict()
-        )
-        self._put_at: dict[str, float] = {}
-        """When each stream held was put (``_streams`` is in that order, oldest first)."""
-        self._taken: dict[str, tuple[list[RecordedEvent], int]] = {}
+        self._streams: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
+        """Per stream: its events, their size, and when they were put (so the oldest first)."""
+        self._taken: dict[str, _Entry] = {}
         """What ``take`` handed out, so that putting it back with a few more events only
         measures those."""
 
@@ -251,8 +253,7 @@ class StreamCache:
             size = _bytes_of(events)
         if size > self._max_bytes:
             return
-        self._streams[stream_id] = (events, size)
-        self._put_at[stream_id] = self._clock()
+        self._streams[stream_id] = (events, size, self._clock())
         self._bytes += size
         while len(self._streams) > self._max_streams or self._bytes > self._max_bytes:
             self._drop(next(iter(self._streams)))
@@ -272,16 +273,15 @@ class StreamCache:
         """Drop the copies put ``max_age`` seconds ago or earlier (the oldest come first)."""
         oldest = self._clock() - self._max_age
         while self._streams:
-            first = next(iter(self._streams))
-            if self._put_at[first] > oldest:
+            first, (_, _, put_at) = next(iter(self._streams.items()))
+            if put_at > oldest:
                 return
             self._drop(first)
 
-    def _drop(self, stream_id: str) -> tuple[list[RecordedEvent], int] | None:
+    def _drop(self, stream_id: str) -> _Entry | None:
         entry = self._streams.pop(stream_id, None)
         if entry is not None:
             self._bytes -= entry[1]
-            del self._put_at[stream_id]
         return entry
 
 

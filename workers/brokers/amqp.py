@@ -94,37 +94,47 @@ def delivery_of(
     """The port's view of a delivery: aiormq's (what :class:`_DirectQueue` hands over) or
     aio-pika's (what its own recovery of a consumer hands over, see there)."""
     if isinstance(message, aiormq.abc.DeliveredMessage):
-        properties = message.header.properties
+        p = message.header.properties
         deliver = message.delivery
-        headers = properties.headers or {}
-        return Delivery(
-            queue=queue,
-            body=message.body,
-            message_id=properties.message_id,
-            correlation_id=properties.correlation_id,
-            reply_to=properties.reply_to,
-            type=properties.message_type,
-            content_type=properties.content_type,
-            user_id=properties.user_id,
-            headers=headers,
-            redelivered=bool(getattr(deliver, "redelivered", False)),
-            broker_count=_broker_count(headers),
-            handle=_Held(message.channel, getattr(deliver, "delivery_tag", None)),
+        fields = (
+            p.message_id,
+            p.correlation_id,
+            p.reply_to,
+            p.message_type,
+            p.content_type,
+            p.user_id,
+            p.headers,
         )
-    headers = dict(message.headers or {})
+        redelivered = getattr(deliver, "redelivered", False)
+        held = _Held(message.channel, getattr(deliver, "delivery_tag", None))
+    else:
+        m = message
+        fields = (
+            m.message_id,
+            m.correlation_id,
+            m.reply_to,
+            m.type,
+            m.content_type,
+            m.user_id,
+            m.headers,
+        )
+        redelivered = m.redelivered
+        held = _Held(m.channel, m.delivery_tag)
+    message_id, correlation_id, reply_to, message_type, content_type, user_id, headers = fields
+    headers = headers or {}
     return Delivery(
         queue=queue,
         body=message.body,
-        message_id=message.message_id,
-        correlation_id=message.correlation_id,
-        reply_to=message.reply_to,
-        type=message.type,
-        content_type=message.content_type,
-        user_id=message.user_id,
+        message_id=message_id,
+        correlation_id=correlation_id,
+        reply_to=reply_to,
+        type=message_type,
+        content_type=content_type,
+        user_id=user_id,
         headers=headers,
-        redelivered=bool(message.redelivered),
+        redelivered=bool(redelivered),
         broker_count=_broker_count(headers),
-        handle=_Held(message.channel, message.delivery_tag),
+        handle=held,
     )
 
 
