@@ -153,6 +153,20 @@ class _Waiting:
     its resumed handler and records its spans."""
 
 
+@dataclass(slots=True, eq=False)
+class _Gathering:
+    """Decisions on one stream waiting for the rest of those it expects (``expected``)."""
+
+    expected: int
+    arrived: asyncio.Future[None]
+    joined: int = 1
+    """How many have waited in it (the first, and those that came while it waited)."""
+
+    def wake(self) -> None:
+        if not self.arrived.done():
+            self.arrived.set_result(None)
+
+
 _Plan = (
     tuple[
         list[RecordedEvent],
@@ -180,6 +194,10 @@ class StreamLocks:
 
     def __init__(self) -> None:
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    def busy(self, stream_id: str) -> bool:
+        """Whether a decision holds or waits for the stream's lock now."""
+        return stream_id in self._locks
 
     @contextlib.asynccontextmanager
     async def hold(self, stream_id: str) -> AsyncIterator[None]:
@@ -259,6 +277,12 @@ class StreamCache:
             self._drop(next(iter(self._streams)))
         self._expire()
 
+    def peek(self, stream_id: str) -> list[RecordedEvent] | None:
+        """The copy of the stream, left in place (None when there is none, or it aged)."""
+        self._expire()
+        entry = self._streams.get(stream_id)
+        return entry[0] if entry is not None else None
+
     def take(self, stream_id: str) -> list[RecordedEvent] | None:
         self._expire()
         entry = self._drop(stream_id)
@@ -306,6 +330,7 @@ class Recorder:
         stopping: Callable[[], bool] = lambda: False,
         cache_bytes: int = 32 * 1024 * 1024,
         cache_seconds: float = 60.0,
+        gather_seconds: float = 0.0,
         reply_to: Callable[[str], str] | None = None,
     ) -> None:
         self.reply_to = reply_to
@@ -325,6 +350,11 @@ class Recorder:
         self.cache = StreamCache(max_bytes=cache_bytes, max_age=cache_seconds)
         self._waiting: dict[str, list[_Waiting]] = {}
         """Per stream, the combinable decisions waiting for its lock, in arrival order."""
+        self.gather_seconds = gather_seconds
+        """How long a combinable decision that the stream expects more of waits for them
+        (:meth:`append_decision`, ``gather``); 0: not at all."""
+        self._gathering: dict[str, _Gathering] = {}
+        """Per stream, the decisions being gathered now: how many, and what wakes them."""
 
     def waiting(self, stream_id: str) -> int:
         """Combinable decisions waiting for the stream's lock now."""
@@ -394,6 +424,7 @@ class Recorder:
         describe_new: Callable[[TaskState], TaskState] | None = None,
         extend: Extend | None = None,
         combine: bool = False,
+        gather: Callable[[TaskState], int] | None = None,
     ) -> Applied:
         """Read, decide, append; on a conflict (or when the same decision was already recorded
         by someone else) read and decide again. Returns the state decided on and the events
@@ -410,7 +441,14 @@ class Recorder:
         ``combine``: decisions on one stream that wait for its lock meanwhile (a parent's replies
         arriving together) are recorded by whichever of them takes the lock first, in one
         append, each decided on the state the ones before it leave (:meth:`_decide_together`).
-        A decision that could not be combined is recorded alone, as without it."""
+        A decision that could not be combined is recorded alone, as without it.
+
+        ``gather`` (with ``combine``): how many decisions of this kind the stream awaits, as
+        this worker's copy of it says (a pause's outstanding calls). When the stream is free
+        and its copy awaits more than have arrived, the decisions wait for the others, at most
+        ``gather_seconds``, and are then recorded together: the replies to one pause, which
+        arrive a few milliseconds apart, make one append instead of one each. The last one
+        never waits (it completes the count); nothing waits while the worker stops."""
         if not combine or describe_new is not None:
             async with self.locks.hold(task_id):
                 return await self._decide_alone(
@@ -420,6 +458,8 @@ class Recorder:
         waiting = self._waiting.setdefault(task_id, [])
         waiting.append(mine)
         try:
+            if gather is not None:
+                await self._gather(task_id, waiting, gather)
             async with self.locks.hold(task_id):
                 if mine.applied is None and mine in waiting and len(waiting) > 1:
                     batch = waiting[:MAX_COMBINED]
@@ -434,6 +474,43 @@ class Recorder:
                 waiting.remove(mine)
             if not waiting and self._waiting.get(task_id) is waiting:
                 del self._waiting[task_id]
+
+    async def _gather(
+        self, task_id: str, waiting: list[_Waiting], gather: Callable[[TaskState], int]
+    ) -> None:
+        """Wait until the stream's copy's count of expected decisions have arrived, or
+        ``gather_seconds`` passed (see :meth:`append_decision`)."""
+        gathering = self._gathering.get(task_id)
+        if gathering is None:
+            if self.gather_seconds <= 0 or len(waiting) > 1 or self.locks.busy(task_id):
+                return
+            if self.stopping():
+                return
+            copy = self.cache.peek(task_id)
+            if copy is None:
+                return
+            expected = gather(fold(task_id, copy))
+            if expected <= 1:
+                return
+            loop = asyncio.get_running_loop()
+            gathering = _Gathering(expected, loop.create_future())
+            self._gathering[task_id] = gathering
+            timer = loop.call_later(self.gather_seconds, gathering.wake)
+            try:
+                await asyncio.shield(gathering.arrived)
+            finally:
+                # cancelled too (its channel closed): the others go on without it
+                timer.cancel()
+                gathering.wake()
+                if self._gathering.get(task_id) is gathering:
+                    del self._gathering[task_id]
+            self.observer.count("decisions_gathered", gathering.joined)
+            return
+        gathering.joined += 1
+        if len(waiting) >= gathering.expected:
+            gathering.wake()
+        # shielded: one of them cancelled must not cancel the others' wait
+        await asyncio.shield(gathering.arrived)
 
     async def _decide_alone(
         self,

@@ -124,6 +124,7 @@ class Worker:
             stopping=lambda: self._stopping,
             cache_bytes=settings.stream_cache_bytes,
             cache_seconds=settings.stream_cache_seconds,
+            gather_seconds=settings.reply_gather_ms / 1000,
             reply_to=self.routes.reply_to,
         )
         self.settler = Settler(self.broker, self.names, self.observer, settings.worker_id)

@@ -89,6 +89,9 @@ class Settings(BaseSettings):
     stream_cache_seconds: float = Field(default=60.0, ge=0)
     """How long a worker keeps its copy of a stream it wrote last (s): a copy older than this is
     dropped, and the next decision on the stream reads it; 0 keeps none."""
+    reply_gather_ms: float = Field(default=20.0, ge=0, le=10_000)
+    """How long the first replies to a pause wait for the rest of them (ms), so that they are
+    recorded in one append instead of one each; the last reply never waits. 0: none wait."""
     db_pool_size: int = Field(default=16, ge=1)
     """Database connections per worker, at most (all but two serve the hot path's statements on
     asyncpg's pool, two the rest on SQLAlchemy's; ``events.postgres.split_pool``); handlers

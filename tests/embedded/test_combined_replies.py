@@ -29,7 +29,7 @@ from events.model import EventMetadata
 from workers.agent import App, TaskContext
 from workers.runtime import Worker
 
-from .harness import World, eventually, world
+from .harness import World, eventually, settings, world
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -69,9 +69,11 @@ async def _replies(w: World) -> list[OutboxMessage]:
 
 
 @contextlib.asynccontextmanager
-async def _boss_paused() -> AsyncIterator[tuple[World, Worker, str, list[OutboxMessage]]]:
+async def _boss_paused(
+    gather_ms: float = 0.0,
+) -> AsyncIterator[tuple[World, Worker, str, list[OutboxMessage]]]:
     """One worker, a ``boss`` task paused on its ghost calls, and their replies unpublished."""
-    async with world(ghost_app()) as w:
+    async with world(ghost_app(), settings(reply_gather_ms=gather_ms)) as w:
         w.broker.declare_queue(w.names.tasks("ghost"))
         worker = await w.start_worker("w1")
         task_id = await w.publish("boss", {})
@@ -121,6 +123,24 @@ async def test_replies_waiting_together_are_recorded_in_one_append() -> None:
         assert counters.get("decisions_combined") == CALLS, counters
         assert counters.get("version_conflicts", 0) == 0, counters
         assert counters.get("resumed_in_place") == 1, counters
+
+
+async def test_replies_arriving_one_by_one_are_gathered_into_one_append() -> None:
+    # a window far longer than the test's steps: only the third reply's arrival ends the wait
+    async with _boss_paused(gather_ms=10_000) as (w, worker, task_id, replies):
+        recorder = worker.recorder
+        for arrived, reply in enumerate(replies[:-1], start=1):
+            await w.publisher.publish(reply)
+            await eventually(lambda n=arrived: recorder.waiting(task_id) == n, "waiting")
+        assert w.broker.unsettled() == CALLS - 1  # neither recorded nor acked yet
+        await w.publisher.publish(replies[-1])
+        await _answered_once(w, task_id, replies)
+        tail = [e for e in await w.store.read_stream(task_id) if e.stream_version > 2]
+        assert tail[-2:][0].event_type == "TaskResumed"
+        assert len({e.tx_id for e in tail}) == 1, [(e.event_type, e.tx_id) for e in tail]
+        counters = worker.stats.counters
+        assert counters.get("decisions_gathered") == CALLS, counters
+        assert counters.get("decisions_combined") == CALLS, counters
 
 
 async def test_the_same_reply_twice_in_one_wait_claims_its_call_once() -> None:

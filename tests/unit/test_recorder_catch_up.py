@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from typing import Any
 
 from events import GENESIS_HASH, NewEvent, RecordedEvent, ReplyIgnored, TaskStarted
 from events.memory import InMemoryEventStore
@@ -44,7 +45,8 @@ async def _stream_of_four(store: InMemoryEventStore) -> list[RecordedEvent]:
     return await store.read_stream(TASK)
 
 
-def _recorder(store: InMemoryEventStore) -> Recorder:
+def recorder_without_outbox(store: InMemoryEventStore, **options: Any) -> Recorder:
+    """A recorder on ``store`` for decisions that append nothing (``options``: the Recorder's)."""
     unused: object = None  # loading needs neither the outbox nor the fault plan's points
     return Recorder(
         store,
@@ -55,13 +57,14 @@ def _recorder(store: InMemoryEventStore) -> Recorder:
         clock=lambda: 0.0,
         outbox_delay=1.0,
         faults=FaultPlan(),
+        **options,
     )
 
 
 async def test_a_known_copy_is_caught_up_from_the_log_after_its_last_version() -> None:
     store = ReadsRecorded()
     log = await _stream_of_four(store)
-    recorder = _recorder(store)
+    recorder = recorder_without_outbox(store)
     store.reads.clear()
     state, history, from_cache = await recorder.load_events(TASK, known=log[:2])
     assert store.reads == [2]
@@ -75,7 +78,7 @@ async def test_a_known_copy_is_caught_up_from_the_log_after_its_last_version() -
 async def test_a_known_copy_that_does_not_link_up_is_read_again_whole() -> None:
     store = ReadsRecorded()
     log = await _stream_of_four(store)
-    recorder = _recorder(store)
+    recorder = recorder_without_outbox(store)
     store.reads.clear()
     wrong = [log[0], dataclasses.replace(log[1], hash=bytes(32))]
     _, history, _ = await recorder.load_events(TASK, known=wrong)

@@ -135,7 +135,14 @@ async def _record(
         return await _resume_in_place(flows, state, recorded, events, cause)
 
     applied = await flows.recorder.append_decision(
-        task_id, decide, key=key, cause=cause, step="reply", extend=resume_here, combine=True
+        task_id,
+        decide,
+        key=key,
+        cause=cause,
+        step="reply",
+        extend=resume_here,
+        combine=True,
+        gather=lambda state: len(state.outstanding),
     )
     if applied.events and isinstance(applied.events[0], ReplyIgnored):
         log.info("reply for %s not applied: %s", subtask, applied.events[0].reason)
