@@ -117,10 +117,10 @@ Key = Callable[[list[DomainEvent]], str]
 
 @dataclass(frozen=True, slots=True)
 class _FromLog:
-    """A plan decided on this worker's copy of the stream that needs the log instead: ``known``
-    is that copy, which the read of the log catches up from."""
+    """A plan decided on this worker's copy of the stream that turned out stale: ``stream`` is
+    the stream as the log holds it, to decide on again."""
 
-    known: list[RecordedEvent]
+    stream: list[RecordedEvent]
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,17 +364,25 @@ class Recorder:
         return (await self.load_events(task_id))[0]
 
     async def load_events(
-        self, task_id: str, *, cached: bool = False, known: list[RecordedEvent] | None = None
+        self,
+        task_id: str,
+        *,
+        cached: bool = False,
+        known: list[RecordedEvent] | None = None,
+        read: list[RecordedEvent] | None = None,
     ) -> tuple[TaskState, list[RecordedEvent], bool]:
         """The task's state, the events it was folded from, and whether they came from this
         worker's own copy (which may be stale) rather than from the log.
 
         ``known``: the stream up to some version, as this worker last had it (a copy that
         turned out stale, or must not be trusted alone). The log is then read from after it
-        only: the log is append-only, so what it held stays as it was."""
+        only: the log is append-only, so what it held stays as it was. ``read``: the stream as
+        just read from the log (nothing is read)."""
         recorded = self.cache.take(task_id) if cached else None
         from_cache = recorded is not None
-        if recorded is None:
+        if read is not None:
+            recorded = read
+        elif recorded is None:
             recorded = await self._read(task_id, known)
         else:
             self.observer.count("stream_cache_hits")
@@ -397,6 +405,14 @@ class Recorder:
                 self.observer.count("stream_catch_ups")
                 return [*known, *newer]
         return await self._through_outages(lambda: self.store.read_stream(task_id))
+
+    async def _newer(
+        self, task_id: str, copy: list[RecordedEvent]
+    ) -> list[RecordedEvent] | None:
+        """None when the log holds nothing after this worker's ``copy`` of the stream (the copy
+        is current: what was decided on it stands), else the stream as the log holds it."""
+        stream = await self._read(task_id, copy)
+        return None if len(stream) == len(copy) else stream
 
     def metadata(self, state: TaskState, cause: Cause) -> dict[str, Any]:
         """The metadata of the events of a decision, as the log stores it (``EventMetadata``'s
@@ -526,24 +542,27 @@ class Recorder:
         found: str | None = None
         cached = True
         known: list[RecordedEvent] | None = None
+        read: list[RecordedEvent] | None = None
         for _ in range(MAX_CONFLICT_RETRIES):
             # first from what this worker last wrote to the stream, if it is still cached:
             # a stale copy only costs a conflict, since the append checks the version; then
             # from the log, read from after what was seen last
-            state, history, from_cache = await self.load_events(task_id, cached=cached, known=known)
-            cached, known = False, history
+            state, history, from_cache = await self.load_events(
+                task_id, cached=cached, known=known, read=read
+            )
+            cached, known, read = False, history, None
             events = decide(state)
-            if not events:
-                if from_cache:
-                    # nothing to do, says a copy that may be stale (a timeout on a pause this
-                    # worker has not seen): only the log itself can say so
+            if from_cache and (not events or (extend is not None and resumes(events))):
+                # nothing to do, says a copy that may be stale (a timeout on a pause this
+                # worker has not seen), or a handler is about to run on this decision, never
+                # on a copy that may be stale (the task may have been cancelled or timed out
+                # meanwhile), however the append would settle it afterwards: only the log
+                # can say the copy is current; when it is not, decide again on the log
+                read = await self._newer(task_id, history)
+                if read is not None:
                     continue
+            if not events:
                 return Applied(state, [])
-            if extend is not None and from_cache and resumes(events):
-                # a handler is about to run on this decision: never on a copy that may be
-                # stale (the task may have been cancelled or timed out meanwhile), however
-                # the append would settle it afterwards
-                continue
             causation = key(events)
             if causation == found:
                 return Applied(state, [])
@@ -595,10 +614,12 @@ class Recorder:
         on the log itself."""
         cached = True
         known: list[RecordedEvent] | None = None
+        read: list[RecordedEvent] | None = None
         while True:
-            plan = await self._plan(task_id, batch, cached=cached, known=known)
+            plan = await self._plan(task_id, batch, cached=cached, known=known, read=read)
+            read = None
             if isinstance(plan, _FromLog):
-                cached, known = False, plan.known
+                cached, read = False, plan.stream
                 continue
             if not isinstance(plan, tuple):
                 return
@@ -631,13 +652,17 @@ class Recorder:
         *,
         cached: bool,
         known: list[RecordedEvent] | None,
+        read: list[RecordedEvent] | None = None,
     ) -> _Plan:
         """The decisions of ``batch`` in order, each on the state the ones before leave:
         ``(history, parts, idle, from_cache)`` with the stream's events read, the decisions to
         append, those with nothing to do and whether the events came from this worker's copy;
-        :class:`_FromLog` when one needs the log rather than that copy; None when two share a
-        causation key. ``cached`` and ``known``: see :meth:`load_events`."""
-        state, history, from_cache = await self.load_events(task_id, cached=cached, known=known)
+        :class:`_FromLog` when one needed the log rather than that copy, and the copy was not
+        current; None when two share a causation key. ``cached``, ``known``, ``read``: see
+        :meth:`load_events`."""
+        state, history, from_cache = await self.load_events(
+            task_id, cached=cached, known=known, read=read
+        )
         parts: list[tuple[_Waiting, _Part, Extension | None]] = []
         idle: list[tuple[_Waiting, TaskState]] = []
         keys: set[str] = set()
@@ -646,7 +671,12 @@ class Recorder:
             events = waiting.decide(state)
             resuming = waiting.extend is not None and resumes(events)
             if from_cache and (not events or resuming):
-                return _FromLog(history)
+                # the rules of deciding alone: only the log can say the copy is current; when
+                # it is, the decisions taken on it so far stand
+                stream = await self._newer(task_id, history)
+                if stream is not None:
+                    return _FromLog(stream)
+                from_cache = False
             if not events:
                 idle.append((waiting, state))
                 continue

@@ -7,13 +7,22 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import Callable
 from typing import Any
 
-from events import GENESIS_HASH, NewEvent, RecordedEvent, ReplyIgnored, TaskStarted
+from events import (
+    GENESIS_HASH,
+    DomainEvent,
+    NewEvent,
+    RecordedEvent,
+    ReplyIgnored,
+    TaskStarted,
+    TaskState,
+)
 from events.memory import InMemoryEventStore
 from workers.faults import FaultPlan
 from workers.observer import Observer
-from workers.recorder import Recorder
+from workers.recorder import Cause, Recorder
 from workers.wire import Names
 
 TASK = "t-1"
@@ -85,3 +94,41 @@ async def test_a_known_copy_that_does_not_link_up_is_read_again_whole() -> None:
     assert store.reads == [2, 0]
     assert history == log
     assert "stream_catch_ups" not in recorder.observer.stats.counters
+
+
+def _nothing_to_do(seen: list[int]) -> Callable[[TaskState], list[DomainEvent]]:
+    def decide(state: TaskState) -> list[DomainEvent]:
+        seen.append(state.version)
+        return []
+
+    return decide
+
+
+async def test_a_copy_the_log_finds_current_keeps_what_was_decided_on_it() -> None:
+    # nothing to do, says the worker's copy: only the log can say so, and when it holds
+    # nothing newer, the decision taken on the copy stands (not folded and decided again)
+    store = ReadsRecorded()
+    log = await _stream_of_four(store)
+    recorder = recorder_without_outbox(store)
+    recorder.cache.put(TASK, log, finished=False)
+    store.reads.clear()
+    seen: list[int] = []
+    applied = await recorder.append_decision(
+        TASK, _nothing_to_do(seen), key=lambda _: "k", cause=Cause(), step="reply"
+    )
+    assert applied.events == [] and applied.state.version == 4
+    assert store.reads == [4] and seen == [4]
+
+
+async def test_a_copy_the_log_finds_stale_is_decided_again_on_what_the_read_found() -> None:
+    store = ReadsRecorded()
+    log = await _stream_of_four(store)
+    recorder = recorder_without_outbox(store)
+    recorder.cache.put(TASK, log[:2], finished=False)
+    store.reads.clear()
+    seen: list[int] = []
+    applied = await recorder.append_decision(
+        TASK, _nothing_to_do(seen), key=lambda _: "k", cause=Cause(), step="reply"
+    )
+    assert applied.state.version == 4
+    assert store.reads == [2] and seen == [2, 4]  # one read: the one that found the copy stale

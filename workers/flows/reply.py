@@ -7,7 +7,8 @@ and acked without appending anything.
 
 Replies to one task that wait for its stream's lock on one worker (they arrive together, and
 reply routing brings them to one worker) are recorded in one append
-(``Recorder.append_decision``, ``combine``).
+(``Recorder.append_decision``, ``combine``); the first ones wait up to
+``WAYSTATION_REPLY_GATHER_MS`` for the rest of the pause's outstanding calls (``gather``).
 
 The worker that records the last reply runs the resumed handler at once, in place, and appends
 its outcome in the same statement (docs/performance.md): no resume message, no second read. The
