@@ -355,6 +355,10 @@ class Recorder:
         (:meth:`append_decision`, ``gather``); 0: not at all."""
         self._gathering: dict[str, _Gathering] = {}
         """Per stream, the decisions being gathered now: how many, and what wakes them."""
+        self._peeked: dict[str, tuple[list[RecordedEvent], TaskState]] = {}
+        """Per stream, the copy a gathering counted on and its fold, so that the decision
+        taken on that same copy does not fold it again (dropped when the stream's last
+        combinable decision is done)."""
 
     def waiting(self, stream_id: str) -> int:
         """Combinable decisions waiting for the stream's lock now."""
@@ -386,7 +390,10 @@ class Recorder:
             recorded = await self._read(task_id, known)
         else:
             self.observer.count("stream_cache_hits")
-        state = fold(task_id, recorded)
+        peeked = self._peeked.pop(task_id, None)
+        state = (
+            peeked[1] if peeked is not None and peeked[0] is recorded else fold(task_id, recorded)
+        )
         add_to_context(task_id=task_id, trace_id=state.trace_id)
         if state.unreadable:
             # deciding on part of the story could contradict what the unread events say
@@ -406,9 +413,7 @@ class Recorder:
                 return [*known, *newer]
         return await self._through_outages(lambda: self.store.read_stream(task_id))
 
-    async def _newer(
-        self, task_id: str, copy: list[RecordedEvent]
-    ) -> list[RecordedEvent] | None:
+    async def _newer(self, task_id: str, copy: list[RecordedEvent]) -> list[RecordedEvent] | None:
         """None when the log holds nothing after this worker's ``copy`` of the stream (the copy
         is current: what was decided on it stands), else the stream as the log holds it."""
         stream = await self._read(task_id, copy)
@@ -490,6 +495,7 @@ class Recorder:
                 waiting.remove(mine)
             if not waiting and self._waiting.get(task_id) is waiting:
                 del self._waiting[task_id]
+                self._peeked.pop(task_id, None)
 
     async def _gather(
         self, task_id: str, waiting: list[_Waiting], gather: Callable[[TaskState], int]
@@ -505,7 +511,9 @@ class Recorder:
             copy = self.cache.peek(task_id)
             if copy is None:
                 return
-            expected = gather(fold(task_id, copy))
+            folded = fold(task_id, copy)
+            self._peeked[task_id] = (copy, folded)
+            expected = gather(folded)
             if expected <= 1:
                 return
             loop = asyncio.get_running_loop()

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Sequence
 
 import pytest
 
-from events import GENESIS_HASH, NewEvent, TaskStarted, TaskState
+from events import GENESIS_HASH, NewEvent, RecordedEvent, TaskStarted, TaskState, fold
 from events.memory import InMemoryEventStore
+from workers import recorder as recorder_module
 from workers.recorder import Applied, Cause, Recorder
 
 from .test_recorder_catch_up import recorder_without_outbox
@@ -89,6 +91,23 @@ async def test_decisions_wait_until_the_expected_count_has_arrived() -> None:
     applied = await asyncio.gather(first, second, third)
     assert all(a.events == [] for a in applied)
     assert recorder.observer.stats.counters["decisions_gathered"] == 3
+
+
+async def test_the_copy_counted_on_is_folded_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    recorder = await _recorder(FOREVER)
+    folds: list[int] = []
+
+    def counted(task_id: str, events: Sequence[RecordedEvent]) -> TaskState:
+        folds.append(len(events))
+        return fold(task_id, events)
+
+    monkeypatch.setattr(recorder_module, "fold", counted)
+    seen: list[TaskState] = []
+    decisions = [_decision(recorder, seen) for _ in range(3)]
+    await asyncio.gather(*decisions)
+    # counted on while gathering, and decided on the same copy: one fold, not two
+    assert folds == [1] and len(seen) == 3
+    assert not recorder._peeked  # nothing kept once the decisions are done
 
 
 async def test_a_decision_whose_siblings_do_not_come_goes_on_after_the_window() -> None:
