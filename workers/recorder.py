@@ -331,6 +331,7 @@ class Recorder:
         cache_bytes: int = 32 * 1024 * 1024,
         cache_seconds: float = 60.0,
         gather_seconds: float = 0.0,
+        gather_limit: int | None = None,
         reply_to: Callable[[str], str] | None = None,
     ) -> None:
         self.reply_to = reply_to
@@ -353,6 +354,10 @@ class Recorder:
         self.gather_seconds = gather_seconds
         """How long a combinable decision that the stream expects more of waits for them
         (:meth:`append_decision`, ``gather``); 0: not at all."""
+        self.gather_limit = gather_limit
+        """The most decisions that can wait together (the deliveries a consumer may hold at
+        once, its prefetch): a stream expecting more is not waited for, since the rest could
+        not arrive before the first are settled. None: no limit."""
         self._gathering: dict[str, _Gathering] = {}
         """Per stream, the decisions being gathered now: how many, and what wakes them."""
         self._peeked: dict[str, tuple[list[RecordedEvent], TaskState]] = {}
@@ -514,7 +519,7 @@ class Recorder:
             folded = fold(task_id, copy)
             self._peeked[task_id] = (copy, folded)
             expected = gather(folded)
-            if expected <= 1:
+            if expected <= 1 or (self.gather_limit is not None and expected > self.gather_limit):
                 return
             loop = asyncio.get_running_loop()
             gathering = _Gathering(expected, loop.create_future())

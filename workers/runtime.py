@@ -125,6 +125,7 @@ class Worker:
             cache_bytes=settings.stream_cache_bytes,
             cache_seconds=settings.stream_cache_seconds,
             gather_seconds=settings.reply_gather_ms / 1000,
+            gather_limit=settings.concurrency,  # each queue's prefetch
             reply_to=self.routes.reply_to,
         )
         self.settler = Settler(self.broker, self.names, self.observer, settings.worker_id)

@@ -150,6 +150,19 @@ async def test_nothing_waits_while_the_worker_stops_or_when_one_is_expected() ->
     assert "decisions_gathered" not in recorder.observer.stats.counters
 
 
+async def test_nothing_waits_for_more_than_a_consumer_can_hold_at_once() -> None:
+    # with a prefetch of 2, the third of 3 replies cannot arrive before the first are settled
+    recorder = await _recorder(FOREVER)
+    recorder.gather_limit = 2
+    await _decision(recorder, [], expected=3)
+    assert "decisions_gathered" not in recorder.observer.stats.counters
+    recorder = await _recorder(FOREVER)
+    recorder.gather_limit = 3
+    decisions = [_decision(recorder, [], expected=3) for _ in range(3)]
+    await asyncio.gather(*decisions)
+    assert recorder.observer.stats.counters["decisions_gathered"] == 3
+
+
 async def test_without_a_copy_of_the_stream_nothing_waits() -> None:
     recorder = await _recorder(FOREVER)
     recorder.cache.take(TASK)
