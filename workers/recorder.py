@@ -214,8 +214,9 @@ class StreamLocks:
                 self._locks[stream_id] = (lock, users - 1)
 
 
-_Entry = tuple[list[RecordedEvent], int, float]
-"""A stream's events in :class:`StreamCache`, their size in bytes, and when they were put."""
+_Entry = tuple[list[RecordedEvent], int, float, TaskState | None]
+"""A stream's events in :class:`StreamCache`, their size in bytes, when they were put, and
+their fold once one was asked for."""
 
 
 class StreamCache:
@@ -271,17 +272,33 @@ class StreamCache:
             size = _bytes_of(events)
         if size > self._max_bytes:
             return
-        self._streams[stream_id] = (events, size, self._clock())
+        self._streams[stream_id] = (events, size, self._clock(), None)
         self._bytes += size
         while len(self._streams) > self._max_streams or self._bytes > self._max_bytes:
             self._drop(next(iter(self._streams)))
         self._expire()
 
-    def peek(self, stream_id: str) -> list[RecordedEvent] | None:
-        """The copy of the stream, left in place (None when there is none, or it aged)."""
+    def peek(self, stream_id: str) -> TaskState | None:
+        """The state the copy of the stream folds into, the copy left in place (None when there
+        is none, or it aged); folded once, however often asked and whoever takes it next
+        (:meth:`state_of`)."""
         self._expire()
         entry = self._streams.get(stream_id)
-        return entry[0] if entry is not None else None
+        if entry is None:
+            return None
+        events, size, put_at, state = entry
+        if state is None:
+            state = fold(stream_id, events)
+            self._streams[stream_id] = (events, size, put_at, state)  # (keeps its place)
+        return state
+
+    def state_of(self, stream_id: str, events: list[RecordedEvent]) -> TaskState:
+        """``fold(stream_id, events)``, without folding again a copy this cache handed out
+        (``take``) that ``peek`` folded already."""
+        taken = self._taken.get(stream_id)
+        if taken is not None and taken[0] is events and taken[3] is not None:
+            return taken[3]
+        return fold(stream_id, events)
 
     def take(self, stream_id: str) -> list[RecordedEvent] | None:
         self._expire()
@@ -297,7 +314,7 @@ class StreamCache:
         """Drop the copies put ``max_age`` seconds ago or earlier (the oldest come first)."""
         oldest = self._clock() - self._max_age
         while self._streams:
-            first, (_, _, put_at) = next(iter(self._streams.items()))
+            first, (_, _, put_at, _) = next(iter(self._streams.items()))
             if put_at > oldest:
                 return
             self._drop(first)
@@ -360,10 +377,6 @@ class Recorder:
         not arrive before the first are settled. None: no limit."""
         self._gathering: dict[str, _Gathering] = {}
         """Per stream, the decisions being gathered now: how many, and what wakes them."""
-        self._peeked: dict[str, tuple[list[RecordedEvent], TaskState]] = {}
-        """Per stream, the copy a gathering counted on and its fold, so that the decision
-        taken on that same copy does not fold it again (dropped when the stream's last
-        combinable decision is done)."""
 
     def waiting(self, stream_id: str) -> int:
         """Combinable decisions waiting for the stream's lock now."""
@@ -395,10 +408,7 @@ class Recorder:
             recorded = await self._read(task_id, known)
         else:
             self.observer.count("stream_cache_hits")
-        peeked = self._peeked.pop(task_id, None)
-        state = (
-            peeked[1] if peeked is not None and peeked[0] is recorded else fold(task_id, recorded)
-        )
+        state = self.cache.state_of(task_id, recorded)
         add_to_context(task_id=task_id, trace_id=state.trace_id)
         if state.unreadable:
             # deciding on part of the story could contradict what the unread events say
@@ -500,7 +510,6 @@ class Recorder:
                 waiting.remove(mine)
             if not waiting and self._waiting.get(task_id) is waiting:
                 del self._waiting[task_id]
-                self._peeked.pop(task_id, None)
 
     async def _gather(
         self, task_id: str, waiting: list[_Waiting], gather: Callable[[TaskState], int]
@@ -513,12 +522,10 @@ class Recorder:
                 return
             if self.stopping():
                 return
-            copy = self.cache.peek(task_id)
+            copy = self.cache.peek(task_id)  # the state its copy of the stream folds into
             if copy is None:
                 return
-            folded = fold(task_id, copy)
-            self._peeked[task_id] = (copy, folded)
-            expected = gather(folded)
+            expected = gather(copy)
             if expected <= 1 or (self.gather_limit is not None and expected > self.gather_limit):
                 return
             loop = asyncio.get_running_loop()

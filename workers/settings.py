@@ -91,7 +91,9 @@ class Settings(BaseSettings):
     dropped, and the next decision on the stream reads it; 0 keeps none."""
     reply_gather_ms: float = Field(default=20.0, ge=0, le=10_000)
     """How long the first replies to a pause wait for the rest of them (ms), so that they are
-    recorded in one append instead of one each; the last reply never waits. 0: none wait."""
+    recorded in one append instead of one each; the last reply never waits, nor does any for
+    a pause of more calls than ``concurrency`` (they could not all be held at once). 0: none
+    wait."""
     db_pool_size: int = Field(default=16, ge=1)
     """Database connections per worker, at most (all but two serve the hot path's statements on
     asyncpg's pool, two the rest on SQLAlchemy's; ``events.postgres.split_pool``); handlers

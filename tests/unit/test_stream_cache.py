@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import uuid
 
-from events import GENESIS_HASH, NewEvent
+import pytest
+
+from events import GENESIS_HASH, NewEvent, RecordedEvent, TaskState, fold
 from events.chain import recorded_events
 from events.codec import dumps
+from workers import recorder as recorder_module
 from workers.recorder import StreamCache
 
 
-def stream(count: int, pad: int = 10, stream_id: str = "s") -> list:
+def stream(count: int, pad: int = 10, stream_id: str = "s") -> list[RecordedEvent]:
     return recorded_events(
         stream_id,
         0,
@@ -19,7 +22,7 @@ def stream(count: int, pad: int = 10, stream_id: str = "s") -> list:
     )
 
 
-def weight(events: list) -> int:
+def weight(events: list[RecordedEvent]) -> int:
     return sum(len(dumps(e.data)) + len(dumps(e.metadata)) for e in events)
 
 
@@ -95,3 +98,24 @@ def test_a_max_age_of_zero_keeps_no_copy() -> None:
     cache = StreamCache(max_age=0.0, clock=Clock())
     cache.put("s", stream(2), finished=False)
     assert cache.size == (0, 0) and cache.take("s") is None
+
+
+def test_a_copy_is_folded_once_whoever_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    folds: list[int] = []
+
+    def counted(stream_id: str, events: list[RecordedEvent]) -> TaskState:
+        folds.append(len(events))
+        return fold(stream_id, events)
+
+    monkeypatch.setattr(recorder_module, "fold", counted)
+    cache = StreamCache()
+    copy = stream(3)
+    cache.put("s", copy, finished=False)
+    peeked = cache.peek("s")
+    assert peeked is not None and peeked.version == 3 and cache.peek("s") is peeked
+    taken = cache.take("s")
+    assert taken is copy and cache.state_of("s", taken) is peeked
+    assert folds == [3]  # one fold for the two peeks and the taken copy
+    read = list(copy)  # the same events, read anew: folded anew
+    assert cache.state_of("s", read) == peeked and folds == [3, 3]
+    assert cache.peek("s") is None  # taken: nothing left to peek at
