@@ -30,9 +30,8 @@ the rest ``IntegrityError``. The full classification is drawn in ``events.errors
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -44,6 +43,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from .chain import recorded_events
 from .codec import GENESIS_HASH, dumps, loads
 from .errors import EventStoreError, IntegrityError, StoreUnavailable, VersionConflict
+from .hotpool import Checkout, HotConnections
 from .model import NewEvent, RecordedEvent
 from .store import (
     AppendResult,
@@ -364,33 +364,50 @@ def translate_error(error: Exception) -> EventStoreError:
 _translate = translate_error
 
 
-async def _no_reset(connection: asyncpg.Connection) -> None:
-    """A hot connection keeps no session state (autocommit statements, no LISTEN, no
-    settings), so asyncpg's reset on release (a round trip) is skipped."""
-
-
 HOT_SHARE_MIN_POOL = 4
 """From this ``pool_size`` up, two of a store's connections serve SQLAlchemy's side; below, one."""
 
 
 def split_pool(pool_size: int) -> tuple[int, int]:
-    """``(hot, engine)``: how many of ``pool_size`` connections the hot path (asyncpg's pool)
-    and the rest (SQLAlchemy's) may hold. Together they hold ``pool_size``, or 2 when it is 1."""
+    """``(hot, engine)``: how many of ``pool_size`` connections the hot path (asyncpg's, its
+    own) and the rest (SQLAlchemy's) may hold. Together they hold ``pool_size``, or 2 when it
+    is 1."""
     engine = 2 if pool_size >= HOT_SHARE_MIN_POOL else 1
     return max(1, pool_size - engine), engine
+
+
+class _HotCheckout(Checkout):
+    """A hot checkout whose wait for a free connection ends in ``StoreUnavailable``."""
+
+    __slots__ = ("_store",)
+
+    def __init__(self, store: PostgresEventStore) -> None:
+        super().__init__(store._hot)
+        self._store = store
+
+    async def __aenter__(self) -> asyncpg.Connection:
+        try:
+            return await super().__aenter__()
+        except TimeoutError as error:
+            store = self._store
+            raise StoreUnavailable(
+                f"no database connection free within {store.checkout_timeout:g} s "
+                f"(the hot path's pool holds {store.hot_pool_size})"
+            ) from error
 
 
 class PostgresEventStore(EventStore):
     """The log in PostgreSQL. Owns its engine unless one is passed in.
 
     Two pools. The hot path (``append``, ``read_stream``, ``last_event``, ``delete_outbox``) runs
-    on asyncpg's own pool of at most ``hot_pool_size`` connections (the engine's pool size when
-    not given); everything else on SQLAlchemy's. A profile under load put a third of the
-    worker's database CPU in SQLAlchemy's checkout and release around each hot statement (three
-    greenlet switches and a pool event per statement); asyncpg's acquire is a queue get. The
-    hot connections are opened by the engine (so with its URL, connect arguments and on-connect
-    setup) and then detached from its pool; they wait ``checkout_timeout`` (the engine pool's
-    timeout) for a free one, as SQLAlchemy's would.
+    on at most ``hot_pool_size`` asyncpg connections of its own (``events.hotpool``; the
+    engine's pool size when not given); everything else on SQLAlchemy's. A profile under load
+    put a third of the worker's database CPU in SQLAlchemy's checkout and release around each
+    hot statement (three greenlet switches and a pool event per statement), and later 5% of the
+    worker's CPU in asyncpg's own pool (a proxy, a timer and a task per checkout): a hot
+    checkout is now a list's pop and append. The hot connections are opened by the engine (so
+    with its URL, connect arguments and on-connect setup) and then detached from its pool; they
+    wait ``checkout_timeout`` (the engine pool's timeout) for a free one, as SQLAlchemy's would.
     """
 
     def __init__(
@@ -401,8 +418,9 @@ class PostgresEventStore(EventStore):
         pool: Any = engine.pool
         self.hot_pool_size = hot_pool_size or (pool.size() if hasattr(pool, "size") else 5)
         self.checkout_timeout = float(pool.timeout()) if hasattr(pool, "timeout") else 30.0
-        self._hot: asyncpg.Pool | None = None
-        self._hot_lock = asyncio.Lock()
+        self._hot = HotConnections(
+            self._open_hot, size=self.hot_pool_size, timeout=self.checkout_timeout
+        )
 
     @classmethod
     def from_url(cls, url: str, *, pool_size: int = 10) -> PostgresEventStore:
@@ -411,16 +429,14 @@ class PostgresEventStore(EventStore):
         return cls(create_engine(url, pool_size=engine), owns_engine=True, hot_pool_size=hot)
 
     async def close(self) -> None:
-        hot, self._hot = self._hot, None
-        if hot is not None:
-            try:
-                await asyncio.wait_for(hot.close(), timeout=10)
-            except Exception:
-                hot.terminate()
+        try:
+            await asyncio.wait_for(self._hot.close(), timeout=10)
+        except Exception:
+            self._hot.terminate()
         if self._owns_engine:
             await self.engine.dispose()
 
-    async def _open_hot(self, *_: Any, **__: Any) -> asyncpg.Connection:
+    async def _open_hot(self) -> asyncpg.Connection:
         """A new hot connection: opened by the engine, then detached from its pool."""
         proxied = await self.engine.raw_connection()
         driver = proxied.driver_connection  # read first: detaching clears it
@@ -428,36 +444,10 @@ class PostgresEventStore(EventStore):
         assert isinstance(driver, asyncpg.Connection)
         return driver
 
-    async def _hot_pool(self) -> asyncpg.Pool:
-        if self._hot is None:
-            async with self._hot_lock:
-                if self._hot is None:
-                    self._hot = await asyncpg.create_pool(
-                        min_size=0,
-                        max_size=self.hot_pool_size,
-                        connect=self._open_hot,
-                        reset=_no_reset,
-                    )
-        return self._hot
-
-    @contextlib.asynccontextmanager
-    async def _hot_connection(self) -> AsyncIterator[asyncpg.Connection]:
-        """A hot connection; a broken or cancelled one the pool closes on release."""
-        pool = await self._hot_pool()
-        # a timeout only where one may be waited for: asyncpg's costs a timer and a task
-        # switch on acquire and on release (measured, ~2% of a worker's CPU under load)
-        timeout = None if pool.get_idle_size() else self.checkout_timeout
-        try:
-            connection = await pool.acquire(timeout=timeout)
-        except TimeoutError as error:
-            raise StoreUnavailable(
-                f"no database connection free within {self.checkout_timeout:g} s "
-                f"(the hot path's pool holds {self.hot_pool_size})"
-            ) from error
-        try:
-            yield connection
-        finally:
-            await pool.release(connection)  # shielded; resets or closes a broken one
+    def _hot_connection(self) -> _HotCheckout:
+        """``async with``: a hot connection, waited for at most ``checkout_timeout`` (then
+        StoreUnavailable); terminated on release when its statement did not end cleanly."""
+        return _HotCheckout(self)
 
     async def append(
         self,
@@ -548,7 +538,7 @@ class PostgresEventStore(EventStore):
         )
 
     async def _fetch(self, statement: str, *args: Any) -> list[Any]:
-        """Rows of a read on the hot path, on asyncpg's pool (see the class)."""
+        """Rows of a read on the hot path's connections (see the class)."""
         try:
             async with self._hot_connection() as connection:
                 return list(await connection.fetch(statement, *args))

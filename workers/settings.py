@@ -96,8 +96,8 @@ class Settings(BaseSettings):
     wait."""
     db_pool_size: int = Field(default=16, ge=1)
     """Database connections per worker, at most (all but two serve the hot path's statements on
-    asyncpg's pool, two the rest on SQLAlchemy's; ``events.postgres.split_pool``); handlers
-    wait for one when all are busy."""
+    asyncpg connections of their own, two the rest on SQLAlchemy's;
+    ``events.postgres.split_pool``); handlers wait for one when all are busy."""
     metrics_port: int = Field(default=9464, ge=0, le=65535)
     """Port of the worker's (and the projection runner's) ``/metrics`` and ``/healthz``; 0 turns
     the endpoint off. Two processes on one host need two ports."""

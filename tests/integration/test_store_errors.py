@@ -146,6 +146,46 @@ async def test_a_pool_checkout_timeout_is_store_unavailable(database_url: str) -
         await store.close()
 
 
+async def test_a_hot_connection_is_reused_after_a_server_error_not_after_a_cancel(
+    database_url: str,
+) -> None:
+    """A statement PostgreSQL refused completed its round trip: its connection is reused. One
+    cancelled while the server runs it is not (its protocol waits for the cancel): it is
+    terminated, its place freed, and the next statement opens another."""
+    store = PostgresEventStore.from_url(database_url, pool_size=4)
+    try:
+        assert await store.read_stream("hot-reuse") == []
+        (connection,) = store._hot._idle
+        with pytest.raises(IntegrityError):
+            await store._fetch("SELECT 1 / 0")  # 22012, from the server
+        assert store._hot._idle == [connection] and not connection.is_closed()
+
+        marker = f"hot-cancel-{uuid.uuid4().hex}"
+        sleeping = asyncio.ensure_future(store._fetch(f"SELECT pg_sleep(600), '{marker}'"))
+        async with store.engine.connect() as watcher:
+
+            async def running() -> bool:
+                found = await watcher.scalar(
+                    text(
+                        "SELECT count(*) FROM pg_stat_activity "
+                        "WHERE state = 'active' AND strpos(query, :marker) > 0 "
+                        "AND pid <> pg_backend_pid()"
+                    ),
+                    {"marker": marker},
+                )
+                return bool(found)
+
+            await eventually(running, 60, "the statement running on the server")
+        sleeping.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sleeping
+        assert connection.is_closed() and store._hot.opened == 0
+        assert await store.read_stream("hot-reuse") == []
+        assert store._hot.opened == 1 and store._hot._idle != [connection]
+    finally:
+        await store.close()
+
+
 async def test_too_many_connections_is_store_unavailable(database_url: str) -> None:
     """SQLSTATE 53300, here from a role's connection limit (a full server gives the same)."""
     role = f"wst_limited_{uuid.uuid4().hex[:8]}"
