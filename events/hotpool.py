@@ -25,6 +25,8 @@ from types import TracebackType
 
 import asyncpg
 
+from .errors import EventStoreError
+
 __all__ = ["HotConnections", "PoolClosed"]
 
 
@@ -161,10 +163,16 @@ class HotConnections:
             connection.terminate()
 
 
+_CLEAN = (asyncpg.PostgresError, EventStoreError)
+"""Errors after which a connection is as good as before: PostgreSQL's own (it answered, the
+round trip completed) and the log's (raised on what a statement returned, e.g. a version
+conflict)."""
+
+
 class Checkout:
     """A connection for one ``async with`` block. Given back for reuse when the block ends
-    cleanly or with an error PostgreSQL reported (its round trip completed); terminated when
-    it ends otherwise (cancelled mid-statement, connection lost)."""
+    cleanly or with one of the errors in ``_CLEAN``; terminated when it ends otherwise
+    (cancelled mid-statement, connection lost, anything unforeseen)."""
 
     __slots__ = ("_connection", "_pool")
 
@@ -184,6 +192,4 @@ class Checkout:
     ) -> None:
         connection, self._connection = self._connection, None
         assert connection is not None
-        self._pool.release(
-            connection, reuse=kind is None or issubclass(kind, asyncpg.PostgresError)
-        )
+        self._pool.release(connection, reuse=kind is None or issubclass(kind, _CLEAN))

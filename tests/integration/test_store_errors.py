@@ -24,7 +24,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from events import GENESIS_HASH, IntegrityError, NewEvent, StoreUnavailable
+from events import GENESIS_HASH, IntegrityError, NewEvent, StoreUnavailable, VersionConflict
 from events.postgres import PostgresEventStore, _translate
 
 from ..harness.database import PostgresCluster
@@ -149,15 +149,21 @@ async def test_a_pool_checkout_timeout_is_store_unavailable(database_url: str) -
 async def test_a_hot_connection_is_reused_after_a_server_error_not_after_a_cancel(
     database_url: str,
 ) -> None:
-    """A statement PostgreSQL refused completed its round trip: its connection is reused. One
+    """A statement PostgreSQL refused, or one whose answer was a version conflict, completed its
+    round trip: its connection is reused. One
     cancelled while the server runs it is not (its protocol waits for the cancel): it is
     terminated, its place freed, and the next statement opens another."""
+    stream = f"hot-reuse-{uuid.uuid4()}"
     store = PostgresEventStore.from_url(database_url, pool_size=4)
     try:
-        assert await store.read_stream("hot-reuse") == []
+        assert await store.read_stream(stream) == []
         (connection,) = store._hot._idle
         with pytest.raises(IntegrityError):
             await store._fetch("SELECT 1 / 0")  # 22012, from the server
+        assert store._hot._idle == [connection] and not connection.is_closed()
+        await store.append(stream, 0, [probe(1)], prev_hash=GENESIS_HASH)
+        with pytest.raises(VersionConflict):  # raised on the statement's answer
+            await store.append(stream, 0, [probe(2)], prev_hash=GENESIS_HASH)
         assert store._hot._idle == [connection] and not connection.is_closed()
 
         marker = f"hot-cancel-{uuid.uuid4().hex}"
@@ -180,7 +186,7 @@ async def test_a_hot_connection_is_reused_after_a_server_error_not_after_a_cance
         with pytest.raises(asyncio.CancelledError):
             await sleeping
         assert connection.is_closed() and store._hot.opened == 0
-        assert await store.read_stream("hot-reuse") == []
+        assert len(await store.read_stream(stream)) == 1
         assert store._hot.opened == 1 and store._hot._idle != [connection]
     finally:
         await store.close()
