@@ -11,11 +11,10 @@ when stderr is a terminal, JSON otherwise, e.g. in a container).
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import logging
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any, Literal, TextIO
@@ -32,14 +31,23 @@ _context: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
 )
 
 
-@contextlib.contextmanager
-def log_context(**fields: str | None) -> Iterator[None]:
-    """Add ``fields`` (those not None) to every record logged inside the block."""
-    token = _context.set({**_context.get(), **{k: v for k, v in fields.items() if v}})
-    try:
-        yield
-    finally:
-        _context.reset(token)
+class log_context:  # (named as the function it replaced: ``with log_context(task_id=...)``)
+    """Add ``fields`` (those not None) to every record logged inside the block. A class, not a
+    generator: it wraps every delivery, and contextlib's generator machinery cost ~1% of a
+    worker's CPU there."""
+
+    __slots__ = ("_fields", "_token")
+
+    def __init__(self, **fields: str | None) -> None:
+        self._fields = fields
+
+    def __enter__(self) -> None:
+        current = _context.get()
+        added = {k: v for k, v in self._fields.items() if v}
+        self._token = _context.set({**current, **added} if current else added)
+
+    def __exit__(self, *_: object) -> None:
+        _context.reset(self._token)
 
 
 def add_to_context(**fields: str | None) -> None:

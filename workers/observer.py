@@ -9,7 +9,7 @@ worker stops) and updates the Prometheus series (``workers.metrics``).
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,11 +67,9 @@ class Observer:
 
     # ---- messages ------------------------------------------------------------------------------
 
-    def started(self) -> None:
-        self.metrics.in_flight.inc()
-
-    def finished(self) -> None:
-        self.metrics.in_flight.dec()
+    def in_flight(self, count: Callable[[], int]) -> None:
+        """The in-flight gauge reads ``count()`` when scraped (nothing to do per message)."""
+        self.metrics.in_flight.set_function(count)
 
     def handled(self, agent: str, kind: str, disposition: str) -> None:
         self._series_of(self.metrics.messages, agent, kind, disposition).inc()

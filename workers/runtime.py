@@ -95,6 +95,7 @@ class Worker:
             management_url=settings.management_url,
         )
         self.observer = Observer(metrics)
+        self.observer.in_flight(lambda: self._inflight)
         faults = faults or FaultPlan(settings.fault_point, settings.fault_after)
         self.outbox = OutboxPublisher(
             self.broker,
@@ -323,26 +324,32 @@ class Worker:
 
     async def _on_delivery(self, delivery: Delivery, spec: AgentSpec, kind: str) -> None:
         self._inflight += 1
-        self.observer.started()
         self._idle.clear()
         started = time.perf_counter()
         try:
             with log_context(**_context_of(delivery, kind)), tracing.consuming(delivery.headers):
                 settled = await self._process(delivery, spec, kind)
-                await asyncio.shield(self.settler.settle(delivery, settled))
+                if settled.disposition is Disposition.ACK:
+                    # not shielded (a task per delivery): this task is cancelled only when
+                    # its channel closes, and then the broker takes the message back, acked
+                    # or not. A send-back or a dead letter publishes a copy first: shielded,
+                    # so that what it started finishes
+                    await self.settler.settle(delivery, settled)
+                else:
+                    await asyncio.shield(self.settler.settle(delivery, settled))
                 label = kind_label(delivery, kind)
                 self.observer.handled(spec.name, label, settled.disposition.value)
-                log.debug(
-                    "%s %s for %s: %s after %.1f ms",
-                    label,
-                    delivery.message_id,
-                    spec.name,
-                    settled.disposition.value,
-                    (time.perf_counter() - started) * 1000,
-                )
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug(
+                        "%s %s for %s: %s after %.1f ms",
+                        label,
+                        delivery.message_id,
+                        spec.name,
+                        settled.disposition.value,
+                        (time.perf_counter() - started) * 1000,
+                    )
         finally:
             self._inflight -= 1
-            self.observer.finished()
             if self._inflight == 0:
                 self._idle.set()
 
