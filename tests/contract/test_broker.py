@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 
 from events import OutboxMessage
-from workers.broker import Broker, BrokerUnavailable, Delivery, Unroutable
+from workers.broker import Broker, BrokerUnavailable, Delivery, PublishRefused, Unroutable
 from workers.brokers.amqp import AmqpBroker
 from workers.brokers.memory import InMemoryBroker, InMemoryConnection
 from workers.topology import clear_policy, policy_definition
@@ -183,6 +183,37 @@ class BrokerContract:
         assert raised.value.routing_key == stray.routing_key
         errors = await broker.publish_all([stray, message(backend.names, 2)])
         assert isinstance(errors[0], Unroutable) and errors[1] is None
+
+    async def test_publishes_made_at_once_are_each_confirmed_and_delivered_whole(
+        self, backend: Backend
+    ) -> None:
+        """Single publishes and batches interleaved (``AmqpBroker`` numbers them for their
+        confirms and writes a batch at once): each is confirmed or fails on its own, and each
+        arrives whole, a body larger than one frame too."""
+        broker = await backend.open()
+        await broker.declare(backend.names, [AGENT])
+        inbox = Inbox()
+        await broker.consume(backend.names.tasks(AGENT), inbox, prefetch=64)
+        large = OutboxMessage("m-large", backend.names.tasks(AGENT), b"[" + b"1," * 300_000 + b"1]")
+        stray = OutboxMessage("m-stray", f"{backend.names.prefix}nobody-{uuid.uuid4()}", b"{}")
+        batches = [[message(backend.names, 100 + 10 * b + n) for n in range(5)] for b in range(3)]
+        batches[1][2:2] = [stray, large]
+        singles = [broker.publish(message(backend.names, n)) for n in range(20)]
+        outcomes = await asyncio.gather(*singles, *(broker.publish_all(batch) for batch in batches))
+        assert outcomes[:20] == [None] * 20
+        for batch, errors in zip(batches, outcomes[20:], strict=True):
+            assert [type(e) if e else None for e in errors] == [
+                Unroutable if m is stray else None for m in batch
+            ]
+        expected = {f"m-{n}" for n in range(20)} | {
+            m.message_id for batch in batches for m in batch if m is not stray
+        }
+        delivered = await inbox.wait_for(len(expected))
+        assert {d.message_id for d in delivered} == expected
+        assert next(d for d in delivered if d.message_id == "m-large").body == large.body
+        for delivery in delivered:
+            await broker.ack(delivery)
+        inbox.hold.set()
 
     async def test_a_requeued_delivery_comes_again_counted_and_marked_redelivered(
         self, backend: Backend
@@ -446,6 +477,24 @@ class TestAmqpBroker(BrokerContract):
         await broker.ack(again)
         assert not broker.settleable(again)
         inbox.hold.set()
+
+    async def test_a_publish_the_broker_refuses_is_publish_refused(self, backend: Backend) -> None:
+        """A ``basic.nack`` (here a full queue that rejects publishes) fails its own publish
+        only, alone or in a batch."""
+        broker = await backend.open()
+        assert isinstance(broker, AmqpBroker)
+        await broker.declare(backend.names, [AGENT])
+        full = f"{backend.names.prefix}full"
+        channel = broker._channel()
+        await channel.declare_queue(
+            full, auto_delete=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"}
+        )
+        refused = OutboxMessage("m-refused", full, b"{}")
+        with pytest.raises(PublishRefused):
+            await broker.publish(refused)
+        errors = await broker.publish_all([refused, message(backend.names, 1), refused])
+        assert [type(e) if e else None for e in errors] == [PublishRefused, None, PublishRefused]
+        await broker.publish(message(backend.names, 2))  # the channel still confirms
 
 
 # ---- in memory ----------------------------------------------------------------------------------
