@@ -15,18 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aio_pika
 import aiormq.abc
 import aiormq.exceptions
-import pamqp.body
-import pamqp.commands
-import pamqp.header
 from aio_pika.abc import (
     AbstractChannel,
     AbstractIncomingMessage,
@@ -198,24 +193,6 @@ def _translated(error: BaseException) -> BrokerError:
     return BrokerUnavailable(str(error) or type(error).__name__)
 
 
-def _publish_error(message: OutboxMessage, error: BaseException) -> BrokerError | None:
-    """The port's error for a failed publish of ``message`` (None: not a broker's error)."""
-    if isinstance(error, aiormq.exceptions.PublishError):
-        return Unroutable(message.message_id, message.routing_key)
-    if isinstance(error, aiormq.exceptions.DeliveryError):
-        return PublishRefused(f"the broker refused {message.message_id!r}")
-    if isinstance(error, _UNAVAILABLE):
-        return _translated(error)
-    return None
-
-
-def _forget_message_id(channel: Any, message_id: str, tag: int, _: object) -> None:
-    """A confirm settled: the channel no longer maps ``message_id`` to ``tag`` (as aiormq's
-    ``basic_publish`` forgets it; the map finds the publish of a returned message)."""
-    if channel.message_id_delivery_tag.get(message_id) == tag:
-        channel.message_id_delivery_tag.pop(message_id)
-
-
 class AmqpBroker(Broker):
     """The port on a RabbitMQ broker at ``url``.
 
@@ -353,112 +330,35 @@ class AmqpBroker(Broker):
         await self._publish(message, name)
 
     async def _publish(self, message: OutboxMessage, exchange_name: str) -> None:
+        properties = message.properties
         try:
-            (confirmation,) = await self._send(((message, exchange_name),))
-            await confirmation
-        except Exception as error:
-            failed = _publish_error(message, error)
-            if failed is None:
-                raise
-            raise failed from error
-
-    async def publish_all(self, messages: Sequence[OutboxMessage]) -> list[BrokerError | None]:
-        """All of ``messages`` in one write, their confirms awaited together."""
-        if not messages:
-            return []
-        try:
-            confirmations = await self._send([(message, message.exchange) for message in messages])
+            publishing = self._channel()
+            if publishing.is_closed:  # as aio-pika's Exchange.publish checks first
+                raise aiormq.exceptions.ChannelInvalidStateError(f"{publishing!r} closed")
+            channel = await publishing.get_underlay_channel()
+            # straight to aiormq: aio-pika's Message costs ~25 attribute sets per publish (a
+            # measured share of the worker's CPU) to build these same properties
+            await channel.basic_publish(
+                message.body,
+                exchange=exchange_name,
+                routing_key=message.routing_key,
+                properties=aiormq.spec.Basic.Properties(
+                    message_id=message.message_id or None,
+                    correlation_id=properties.get("correlation_id"),
+                    reply_to=properties.get("reply_to"),
+                    message_type=properties.get("type"),
+                    content_type=properties.get("content_type"),
+                    headers=properties.get("headers") or None,
+                    delivery_mode=2,  # persistent
+                ),
+                mandatory=True,
+            )
+        except aiormq.exceptions.PublishError as error:
+            raise Unroutable(message.message_id, message.routing_key) from error
+        except aiormq.exceptions.DeliveryError as error:
+            raise PublishRefused(f"the broker refused {message.message_id!r}") from error
         except _UNAVAILABLE as error:
-            return [_translated(error)] * len(messages)
-        outcomes = await asyncio.gather(*confirmations, return_exceptions=True)
-        errors: list[BrokerError | None] = []
-        for message, outcome in zip(messages, outcomes, strict=True):
-            if isinstance(outcome, BaseException):
-                failed = _publish_error(message, outcome)
-                if failed is None:
-                    raise outcome
-                errors.append(failed)
-            else:
-                errors.append(None)
-        return errors
-
-    async def _send(
-        self, outgoing: Sequence[tuple[OutboxMessage, str]]
-    ) -> list[asyncio.Future[Any]]:
-        """Queue ``(message, exchange)`` publishes as one write on the publishing channel; the
-        future of each one's confirm (a ``basic.return`` fails it with aiormq's
-        ``PublishError``, a ``basic.nack`` with ``DeliveryError``, a closed channel with its
-        reason).
-
-        The frames, delivery tags and confirm futures are those aiormq's ``basic_publish``
-        makes, registered with the channel the same way (so its reader settles them), under
-        its lock (so tags follow the order of the frames). What is left out is per publish:
-        a task in ``publish_all`` (a gather of coroutines), a timeout and a context manager,
-        and a wait for the frame to be written before waiting for its confirm (which implies
-        it). A profile under load put ~8% of a worker's CPU in aiormq's publish path."""
-        publishing = self._channel()
-        if publishing.is_closed:  # as aio-pika's Exchange.publish checks first
-            raise aiormq.exceptions.ChannelInvalidStateError(f"{publishing!r} closed")
-        channel: Any = await publishing.get_underlay_channel()
-        if not channel.publisher_confirms:
-            raise BrokerUnavailable("the publishing channel does not confirm")
-        async with channel.lock:
-            first = channel.delivery_tag
-            confirmations: list[asyncio.Future[Any]] = []
-            frames: list[Any] = []
-            try:
-                for message, exchange in outgoing:
-                    if len(message.routing_key) > 255:  # as aiormq checks
-                        raise ValueError("Routing key too long (max 255 bytes)")
-                    properties = message.properties
-                    message_id = message.message_id or uuid.uuid4().hex
-                    channel.delivery_tag += 1
-                    tag = channel.delivery_tag
-                    confirmation = channel.create_future()
-                    channel.confirmations[tag] = confirmation
-                    channel.message_id_delivery_tag[message_id] = tag
-                    confirmation.add_done_callback(
-                        functools.partial(_forget_message_id, channel, message_id, tag)
-                    )
-                    confirmations.append(confirmation)
-                    body = message.body
-                    frames.append(
-                        pamqp.commands.Basic.Publish(
-                            exchange=exchange, routing_key=message.routing_key, mandatory=True
-                        )
-                    )
-                    frames.append(
-                        pamqp.header.ContentHeader(
-                            properties=pamqp.commands.Basic.Properties(
-                                message_id=message_id,
-                                correlation_id=properties.get("correlation_id"),
-                                reply_to=properties.get("reply_to"),
-                                message_type=properties.get("type"),
-                                content_type=properties.get("content_type"),
-                                headers=properties.get("headers") or None,
-                                delivery_mode=2,  # persistent
-                            ),
-                            body_size=len(body),
-                        )
-                    )
-                    size = channel.max_content_size
-                    frames.extend(
-                        pamqp.body.ContentBody(body[start : start + size])
-                        for start in range(0, len(body), size)
-                    )
-                await channel.write_queue.put(
-                    aiormq.abc.ChannelFrame.marshall(channel_number=channel.number, frames=frames)
-                )
-            except BaseException:
-                # nothing was queued: the broker has not seen these publishes, so their tags
-                # are free again (as aiormq's basic_publish does, under the same lock)
-                channel.delivery_tag = first
-                for offset in range(len(confirmations)):
-                    channel.confirmations.pop(first + 1 + offset, None)
-                for confirmation in confirmations:
-                    confirmation.cancel()
-                raise
-        return confirmations
+            raise _translated(error) from error
 
     async def ack(self, delivery: Delivery) -> None:
         """Acks made in one turn of the event loop on one channel go out in one write (one
