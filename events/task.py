@@ -243,6 +243,11 @@ class TaskState:
     unreadable: tuple[str, ...] = ()
     """Events this code cannot read (an unknown type, or a schema version newer than it knows,
     as in a rolling upgrade), described. A state with any is incomplete: decide nothing on it."""
+    call_agents: Mapping[str, str] = field(
+        default_factory=lambda: MappingProxyType({}), compare=False, repr=False
+    )
+    """The agent of every call of every pause (its keys are ``known_calls``): what a fold that
+    goes on from this state (``fold(..., start=)``) needs to name the agent of a later result."""
 
     @property
     def exists(self) -> bool:
@@ -262,23 +267,45 @@ class TaskState:
         return [self.results[c.subtask_id] for c in self.calls if c.subtask_id in self.results]
 
 
-def fold(task_id: str, events: Iterable[RecordedEvent]) -> TaskState:
-    """Fold a task's recorded events, in stream order, into its state."""
-    version = 0
-    last_hash = bytes(32)
-    status: Status = "new"
-    started: TaskStarted | None = None
-    started_metadata: Mapping[str, Any] = {}
-    pause = 0
-    state: dict[str, Any] = {}
-    calls: tuple[PendingCall, ...] = ()
-    agents: dict[str, str] = {}
-    claims: dict[str, str | None] = {}
-    results: dict[str, CallResult] = {}
-    result: Any = None
-    error: Any = None
-    resumed_at: float | None = None
-    unreadable: list[str] = []
+def fold(
+    task_id: str, events: Iterable[RecordedEvent], *, start: TaskState | None = None
+) -> TaskState:
+    """Fold a task's recorded events, in stream order, into its state.
+
+    ``start``: the state of the events before these (what ``fold`` gave for them); the fold
+    goes on from it, so that a decision's own events are applied to the state it was made on
+    instead of folding the whole stream again. ``fold(t, later, start=fold(t, earlier))`` is
+    ``fold(t, [*earlier, *later])``."""
+    if start is None:
+        version = 0
+        last_hash = bytes(32)
+        status: Status = "new"
+        agent: str | None = None
+        input_: Any = None
+        reply_to: str | None = None
+        correlation_id: str | None = None
+        trace_id: Any = None
+        root_id: Any = None
+        pause = 0
+        state: Mapping[str, Any] = MappingProxyType({})
+        calls: tuple[PendingCall, ...] = ()
+        agents: dict[str, str] = {}
+        claims: dict[str, str | None] = {}
+        results: dict[str, CallResult] = {}
+        result: Any = None
+        error: Any = None
+        resumed_at: float | None = None
+        unreadable: list[str] = []
+    else:
+        version, last_hash, status = start.version, start.last_hash, start.status
+        agent, input_, reply_to = start.agent, start.input, start.reply_to
+        correlation_id, trace_id, root_id = start.correlation_id, start.trace_id, start.root_id
+        pause, state, calls = start.pause, start.state, start.calls
+        agents = dict(start.call_agents)
+        claims = dict(start.claims)
+        results = dict(start.results)
+        result, error, resumed_at = start.result, start.error, start.resumed_at
+        unreadable = list(start.unreadable)
     for recorded in events:
         version = recorded.stream_version
         last_hash = recorded.hash
@@ -289,10 +316,13 @@ def fold(task_id: str, events: Iterable[RecordedEvent]) -> TaskState:
                 f"{recorded.schema_version})"
             )
         elif isinstance(event, TaskStarted):
-            started, started_metadata = event, recorded.metadata
+            agent, input_ = event.agent, event.input
+            reply_to, correlation_id = event.reply_to, event.correlation_id
+            trace_id = recorded.metadata.get("trace_id")
+            root_id = recorded.metadata.get("correlation_id")
         elif isinstance(event, TaskPaused):
             status, pause, calls = "paused", event.pause, event.calls
-            state = apply_delta(state, event.state_delta)
+            state = MappingProxyType(apply_delta(state, event.state_delta))
             agents.update((c.subtask_id, c.agent) for c in event.calls)
         elif isinstance(event, SubtaskClaimed):
             claims[event.subtask_id] = event.message_id
@@ -326,22 +356,23 @@ def fold(task_id: str, events: Iterable[RecordedEvent]) -> TaskState:
         version=version,
         last_hash=last_hash,
         status=status,
-        agent=started.agent if started else None,
-        input=started.input if started else None,
-        reply_to=started.reply_to if started else None,
-        correlation_id=started.correlation_id if started else None,
+        agent=agent,
+        input=input_,
+        reply_to=reply_to,
+        correlation_id=correlation_id,
         pause=pause,
-        state=MappingProxyType(state),
+        state=state,
         calls=calls,
         claims=MappingProxyType(claims),
         results=MappingProxyType(results),
         known_calls=frozenset(agents),
         result=result,
         error=error,
-        trace_id=started_metadata.get("trace_id"),
-        root_id=started_metadata.get("correlation_id"),
+        trace_id=trace_id,
+        root_id=root_id,
         resumed_at=resumed_at,
         unreadable=tuple(unreadable),
+        call_agents=MappingProxyType(agents),
     )
 
 

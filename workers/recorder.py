@@ -724,11 +724,9 @@ class Recorder:
             parts.append((waiting, part, extension))
             if resuming:
                 break  # the rest decide on what the resumed run records: alone
-            recorded = [
-                *recorded,
-                *recorded_events(task_id, state.version, part.new_events, state.last_hash),
-            ]
-            state = fold(task_id, recorded)
+            appended = recorded_events(task_id, state.version, part.new_events, state.last_hash)
+            recorded = [*recorded, *appended]
+            state = fold(task_id, appended, start=state)  # the next decides on this one's state
         return history, parts, idle, from_cache
 
     async def _through_outages(self, operation: Callable[[], Awaitable[T]]) -> T:

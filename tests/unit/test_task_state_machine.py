@@ -11,6 +11,7 @@ replies for unknown calls and resume messages arrive.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from collections.abc import Coroutine, Mapping
@@ -54,6 +55,7 @@ from events import (
     subtask_id,
 )
 from events.memory import InMemoryEventStore
+from events.simulation import simulate
 
 NOW = 1_700_000_000.0
 DEFAULT_TIMEOUT = 30.0
@@ -1035,3 +1037,63 @@ def test_a_rerun_of_the_same_pause_decides_the_same_events() -> None:
             subtask_id="t:1:1", agent="b", input=None, deadline_at=NOW + 5, dispatched_at=NOW
         ),
     )
+
+
+# ---- a fold that goes on from a state ------------------------------------------------------------
+
+
+def _same_state(going_on: TaskState, whole: TaskState) -> bool:
+    """Equal, and equal in what equality leaves out (the agents of every call)."""
+    return going_on == whole and dict(going_on.call_agents) == dict(whole.call_agents)
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_a_fold_going_on_from_a_state_is_the_fold_of_the_whole_stream(seed: int) -> None:
+    """``fold(t, later, start=fold(t, earlier))`` is ``fold(t, earlier + later)`` at every split
+    of every stream of a simulated log (pauses, replies, duplicates, timeouts, extensions,
+    second pauses, cancellations, failures), also going on event by event, and with an event
+    this code cannot read."""
+    store = InMemoryEventStore()
+    tasks = await simulate(store, tasks=60, writers=3, seed=seed, in_flight=6)
+    assert len(tasks) == 60
+    unreadable = RecordedEvent(
+        stream_id="x",
+        stream_version=0,
+        event_id=uuid.uuid4(),
+        event_type="FromTheFuture",
+        data={},
+        metadata={},
+        schema_version=1,
+        prev_hash=bytes(32),
+        hash=bytes(32),
+    )
+    seen: set[str] = set()
+    for task in tasks:
+        stream = await store.read_stream(task.task_id)
+        seen.update(event.event_type for event in stream)
+        if stream and stream[0].event_type == "TaskStarted":  # traced, as a worker records it
+            metadata = {**stream[0].metadata, "trace_id": f"trace-{task.task_id}"}
+            stream[0] = dataclasses.replace(stream[0], metadata=metadata)
+        stream.insert(len(stream) // 2, unreadable)
+        whole = fold(task.task_id, stream)
+        assert whole.trace_id == (f"trace-{task.task_id}" if whole.agent else None)
+        assert whole.call_agents.keys() == whole.known_calls
+        for split in range(len(stream) + 1):
+            start = fold(task.task_id, stream[:split])
+            assert _same_state(fold(task.task_id, stream[split:], start=start), whole), split
+        step = fold(task.task_id, [])
+        for event in stream:
+            step = fold(task.task_id, [event], start=step)
+        assert _same_state(step, whole)
+    assert seen >= {
+        "TaskStarted",
+        "TaskPaused",
+        "SubtaskClaimed",
+        "ResultRecorded",
+        "ReplyIgnored",
+        "TaskResumed",
+        "DeadlineExtended",
+        "TaskCompleted",
+        "TaskFailed",
+        "TaskCancelled",
+    }, seen

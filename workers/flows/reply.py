@@ -179,7 +179,8 @@ async def _resume_in_place(
     own = [NewEvent.of(uuid.uuid4(), event, metadata) for event in events]
     resumed = fold(
         state.task_id,
-        [*recorded, *recorded_events(state.task_id, state.version, own, state.last_hash)],
+        recorded_events(state.task_id, state.version, own, state.last_hash),
+        start=state,
     )
     try:
         outcome = await flows.run_handler(spec, resume_context(spec, resumed))
