@@ -106,6 +106,9 @@ class Extension:
     resumed_at: float | None
     """None when the run in place failed (the decision goes on by resume message)."""
     failed_runs: int = 0
+    made: Sequence[NewEvent] = ()
+    """The first of ``events`` as already made ready to append (:meth:`Recorder.new_events`,
+    under the decision's causation key), given again instead of made anew: chained once."""
 
 
 Extend = Callable[
@@ -599,6 +602,7 @@ class Recorder:
                     step=step,
                     resume_attempts=extension.failed_runs if extension else 0,
                     history=history,
+                    made=extension.made if extension and described is state else (),
                 )
             except VersionConflict:
                 self.observer.version_conflict()
@@ -720,6 +724,7 @@ class Recorder:
                 waiting.cause,
                 resume_attempts=extension.failed_runs if extension else 0,
                 context=waiting.context,
+                made=extension.made if extension else (),
             )
             parts.append((waiting, part, extension))
             if resuming:
@@ -764,6 +769,23 @@ class Recorder:
             )
         )
 
+    def new_events(
+        self,
+        state: TaskState,
+        events: Sequence[DomainEvent],
+        causation_key: str,
+        cause: Cause,
+        *,
+        first: int = 0,
+    ) -> list[NewEvent]:
+        """``events`` made ready to append under ``causation_key``: their ids (the same key
+        gives the same ids, numbered from ``first``) and one metadata for them."""
+        metadata = self.metadata(state, cause)
+        return [
+            NewEvent.of(event_id(state.task_id, causation_key, index), event, metadata)
+            for index, event in enumerate(events, start=first)
+        ]
+
     def part(
         self,
         state: TaskState,
@@ -773,14 +795,18 @@ class Recorder:
         *,
         resume_attempts: int = 0,
         context: contextvars.Context | None = None,
+        made: Sequence[NewEvent] = (),
     ) -> _Part:
         """One decision made ready to append: its events with their ids and metadata, and the
         messages they imply (``resume_attempts``: see :meth:`commit`; ``context``: see
-        :class:`_Part`)."""
-        metadata = self.metadata(state, cause)
+        :class:`_Part`; ``made``: see :class:`Extension`)."""
+        if len(made) > len(events) or any(
+            new.event_type != event.event_type for new, event in zip(made, events, strict=False)
+        ):
+            made = ()  # not these events' own: made anew
         new_events = [
-            NewEvent.of(event_id(state.task_id, causation_key, index), event, metadata)
-            for index, event in enumerate(events)
+            *made,
+            *self.new_events(state, events[len(made) :], causation_key, cause, first=len(made)),
         ]
         reply_to = self.reply_to(state.agent) if self.reply_to and state.agent else None
         messages = implied_messages(self.names, state, events, reply_to)
@@ -801,6 +827,7 @@ class Recorder:
         step: str,
         resume_attempts: int = 0,
         history: list[RecordedEvent] | None = None,
+        made: Sequence[NewEvent] = (),
     ) -> bool:
         """Append and publish; False when the events were already recorded (nothing done).
 
@@ -808,7 +835,9 @@ class Recorder:
         message carries the count, so that the retries stay within the delivery limit.
         ``history``: the stream's events ``state`` was folded from; the stream as it is after
         this append is then cached for the next decision on it (:class:`StreamCache`)."""
-        part = self.part(state, events, causation_key, cause, resume_attempts=resume_attempts)
+        part = self.part(
+            state, events, causation_key, cause, resume_attempts=resume_attempts, made=made
+        )
         return await self._commit_parts([part], step=step, history=history)
 
     async def _commit_parts(

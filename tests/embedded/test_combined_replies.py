@@ -11,6 +11,7 @@ import contextlib
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -197,3 +198,39 @@ async def test_replies_decided_on_a_stale_copy_are_decided_again_on_the_log() ->
         two_replies = 2 * 2  # a claim and a result each
         assert reads == [head.stream_version, head.stream_version + 1 + two_replies], reads
         assert counters.get("stream_catch_ups") == 2, counters
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["combined", "one-by-one"])
+async def test_every_event_of_a_resume_in_place_is_made_once(
+    together: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run resumed in place folds its resume events made as they will be appended (the
+    decision's own ids and metadata), and the append takes those same events (chained already)
+    instead of making and chaining them again: one event made per event recorded, whether the
+    replies were combined or came alone."""
+    made: list[str] = []
+    original = NewEvent.of
+
+    def counting(event_id: uuid.UUID, event: Any, metadata: Any) -> NewEvent:
+        made.append(event.event_type)
+        return original(event_id, event, metadata)
+
+    async with _boss_paused() as (w, worker, task_id, replies):
+        monkeypatch.setattr(NewEvent, "of", counting)
+        if together:
+            await _arrive_together(w, worker, task_id, replies)
+        else:
+            for answered, reply in enumerate(replies, start=1):
+                await w.publisher.publish(reply)
+                await eventually(
+                    lambda n=answered: (
+                        w.broker.unsettled() == 0
+                        and worker.stats.counters.get("settled_ack", 0) >= 1 + n
+                    ),
+                    "the reply acked",
+                )
+        await _answered_once(w, task_id, replies)
+        tail = [e for e in await w.store.read_stream(task_id) if e.stream_version > 2]
+        assert tail[-2].event_type == "TaskResumed"
+        assert worker.stats.counters.get("resumed_in_place") == 1
+        assert made == [e.event_type for e in tail]

@@ -16,8 +16,11 @@ from events import (
     NewEvent,
     RecordedEvent,
     ReplyIgnored,
+    TaskCompleted,
+    TaskResumed,
     TaskStarted,
     TaskState,
+    event_id,
 )
 from events.memory import InMemoryEventStore
 from workers.faults import FaultPlan
@@ -132,3 +135,24 @@ async def test_a_copy_the_log_finds_stale_is_decided_again_on_what_the_read_foun
     )
     assert applied.state.version == 4
     assert store.reads == [2] and seen == [2, 4]  # one read: the one that found the copy stale
+
+
+def test_a_part_takes_events_made_for_it_and_makes_the_rest() -> None:
+    """``part(..., made=)``: the first events as made already (the run resumed in place made
+    them under the decision's key), the rest made under the same key; made events that are not
+    the decision's own (another type) are not taken: all are made anew, with the same ids."""
+    recorder = recorder_without_outbox(InMemoryEventStore())
+    state = TaskState(TASK, version=2)
+    events = [TaskResumed(pause=1), TaskCompleted(result=1)]
+    cause = Cause(message_id="m")
+    made = recorder.new_events(state, events[:1], "reply:s", cause)
+    part = recorder.part(state, events, "reply:s", cause, made=made)
+    assert part.new_events[0] is made[0]
+    assert [e.event_id for e in part.new_events] == [
+        event_id(TASK, "reply:s", index) for index in range(2)
+    ]
+    other = recorder.new_events(state, [TaskCompleted(result=2)], "reply:s", cause)
+    anew = recorder.part(state, events, "reply:s", cause, made=other)
+    assert anew.new_events[0] is not other[0]
+    assert [e.event_type for e in anew.new_events] == ["TaskResumed", "TaskCompleted"]
+    assert [e.event_id for e in anew.new_events] == [e.event_id for e in part.new_events]

@@ -26,7 +26,6 @@ from typing import Any, Literal
 from events import (
     DomainEvent,
     InvalidTransition,
-    NewEvent,
     Pause,
     RecordedEvent,
     ReplyIgnored,
@@ -133,7 +132,7 @@ async def _record(
     async def resume_here(
         state: TaskState, recorded: list[RecordedEvent], events: list[DomainEvent]
     ) -> Extension | None:
-        return await _resume_in_place(flows, state, recorded, events, cause)
+        return await _resume_in_place(flows, state, events, cause, key(events))
 
     applied = await flows.recorder.append_decision(
         task_id,
@@ -154,9 +153,9 @@ async def _record(
 async def _resume_in_place(
     flows: Flows,
     state: TaskState,
-    recorded: list[RecordedEvent],
     events: list[DomainEvent],
     cause: Cause,
+    causation_key: str,
 ) -> Extension | None:
     """Run the resumed handler now, on the instance that records the pause's last reply, so
     that its outcome joins the same append.
@@ -175,8 +174,8 @@ async def _resume_in_place(
     if spec is None or spec.limited:
         return None
     decided_at = flows.clock()
-    metadata = flows.recorder.metadata(state, cause)
-    own = [NewEvent.of(uuid.uuid4(), event, metadata) for event in events]
+    # made as they will be appended (the decision's ids and metadata): chained once, here
+    own = flows.recorder.new_events(state, events, causation_key, cause)
     resumed = fold(
         state.task_id,
         recorded_events(state.task_id, state.version, own, state.last_hash),
@@ -205,6 +204,7 @@ async def _resume_in_place(
             [*events, *decide_failure(resumed, error_of(error))],
             checkpoint_started=None,
             resumed_at=decided_at,
+            made=own,
         )
     except Exception as error:
         log.warning(
@@ -213,11 +213,12 @@ async def _resume_in_place(
             error_of(error),
         )
         flows.observer.count("resumes_handed_over")
-        return Extension(events, checkpoint_started=None, resumed_at=None, failed_runs=1)
+        return Extension(events, checkpoint_started=None, resumed_at=None, failed_runs=1, made=own)
     return Extension(
         [*events, *following],
         checkpoint_started=returned_at if isinstance(outcome, Pause) else None,
         resumed_at=decided_at,
+        made=own,
     )
 
 
