@@ -58,17 +58,9 @@ class HotConnections:
         self._drained: asyncio.Future[None] | None = None
 
     @property
-    def idle(self) -> int:
-        return len(self._idle)
-
-    @property
     def opened(self) -> int:
         """Connections idle, handed out or being opened."""
         return self._counted
-
-    def checkout(self) -> Checkout:
-        """``async with pool.checkout() as connection``: given back when the block ends."""
-        return Checkout(self)
 
     async def acquire(self) -> asyncpg.Connection:
         """A free connection; a new one while fewer than ``size`` are open; else the next one

@@ -111,9 +111,9 @@ class Extension:
     under the decision's causation key), given again instead of made anew: chained once."""
 
 
-Extend = Callable[
-    [TaskState, list[RecordedEvent], list[DomainEvent]], Coroutine[Any, Any, Extension | None]
-]
+Extend = Callable[[TaskState, list[DomainEvent], str], Coroutine[Any, Any, Extension | None]]
+"""``extend(state, events, causation_key)``: what to append instead of a decision's ``events``
+on ``state``, recorded under ``causation_key`` (None: the decision as it is)."""
 Decide = Callable[[TaskState], list[DomainEvent]]
 Key = Callable[[list[DomainEvent]], str]
 
@@ -589,7 +589,7 @@ class Recorder:
             causation = key(events)
             if causation == found:
                 return Applied(state, [])
-            extension = await extend(state, history, events) if extend else None
+            extension = await extend(state, events, causation) if extend else None
             if extension is not None:
                 events = extension.events
             described = state if state.exists or describe_new is None else describe_new(state)
@@ -690,7 +690,6 @@ class Recorder:
         parts: list[tuple[_Waiting, _Part, Extension | None]] = []
         idle: list[tuple[_Waiting, TaskState]] = []
         keys: set[str] = set()
-        recorded = history
         for waiting in batch:
             events = waiting.decide(state)
             resuming = waiting.extend is not None and resumes(events)
@@ -713,7 +712,7 @@ class Recorder:
                 assert waiting.extend is not None
                 # in its own delivery's context: the run is a child of that delivery's trace
                 extension = await asyncio.create_task(
-                    waiting.extend(state, recorded, events), context=waiting.context
+                    waiting.extend(state, events, causation), context=waiting.context
                 )
                 if extension is not None:
                     events = extension.events
@@ -729,9 +728,10 @@ class Recorder:
             parts.append((waiting, part, extension))
             if resuming:
                 break  # the rest decide on what the resumed run records: alone
+            # the next decides on the state this one leaves (its events chained once: the
+            # append gives them back)
             appended = recorded_events(task_id, state.version, part.new_events, state.last_hash)
-            recorded = [*recorded, *appended]
-            state = fold(task_id, appended, start=state)  # the next decides on this one's state
+            state = fold(task_id, appended, start=state)
         return history, parts, idle, from_cache
 
     async def _through_outages(self, operation: Callable[[], Awaitable[T]]) -> T:

@@ -27,7 +27,6 @@ from events import (
     DomainEvent,
     InvalidTransition,
     Pause,
-    RecordedEvent,
     ReplyIgnored,
     SubtaskClaimed,
     TaskResumed,
@@ -130,9 +129,9 @@ async def _record(
     cause = Cause.of(delivery)
 
     async def resume_here(
-        state: TaskState, recorded: list[RecordedEvent], events: list[DomainEvent]
+        state: TaskState, events: list[DomainEvent], causation_key: str
     ) -> Extension | None:
-        return await _resume_in_place(flows, state, events, cause, key(events))
+        return await _resume_in_place(flows, state, events, cause, causation_key)
 
     applied = await flows.recorder.append_decision(
         task_id,
