@@ -36,6 +36,7 @@ from aiormq.abc import FieldValue
 
 from events.codec import dumps, loads
 
+from .brokers import frames
 from .wire import CONTENT_TYPE, HEADER_TRACE, TYPE_CANCEL, TYPE_QUERY, TYPE_TASK, Names
 
 __all__ = ["Client", "TaskLookup", "TaskResult"]
@@ -108,6 +109,7 @@ class Client:
         await self.close()
 
     async def connect(self) -> None:
+        frames.install()  # the faster codec of the hot path's frames (workers.brokers.frames)
         self._connection = await aio_pika.connect_robust(
             self.amqp_url, client_properties={"connection_name": "waystation client"}
         )
