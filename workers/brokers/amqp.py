@@ -355,9 +355,6 @@ class AmqpBroker(Broker):
                     delivery_mode=2,  # persistent
                 ),
                 mandatory=True,
-                # its confirm (awaited) implies the frame was written; waiting for the write
-                # too held the channel's lock over a turn of the writer for every publish
-                wait=False,
             )
         except aiormq.exceptions.PublishError as error:
             raise Unroutable(message.message_id, message.routing_key) from error
