@@ -235,6 +235,18 @@ def test_integers_at_every_bound_go_both_ways_as_in_pamqp() -> None:
         test_headers_of_numbers_go_both_ways_as_in_pamqp.hypothesis.inner_test({"n": number}, 1)
 
 
+def test_short_strings_at_their_limit_are_encoded_as_pamqp_encodes_them() -> None:
+    """255 bytes fit a short string; 256 do not (pamqp refuses them), in characters of one byte
+    or several."""
+    for text in ["k" * 254, "k" * 255, "k" * 256, "é" * 127 + "k", "é" * 128]:
+        frames_of_it = [
+            Basic.Publish(routing_key=text),
+            pamqp.header.ContentHeader(body_size=0, properties=Basic.Properties(reply_to=text)),
+        ]
+        for frame in frames_of_it:
+            assert outcome(frames.marshal, frame, 1) == outcome(PAMQP_MARSHAL, frame, 1)
+
+
 # ---- decoding ------------------------------------------------------------------------------
 
 

@@ -120,23 +120,25 @@ def marshal(frame_value: Any, channel_id: int) -> bytes:
         if kind is _ContentBody:
             value = frame_value.value
             if type(value) is bytes:
-                return b"".join((_HEAD.pack(_BODY, channel_id, len(value)), value, _END_BYTE))
+                return _frame(_BODY, channel_id, value)
         elif kind is _ContentHeader:
-            payload = _HEADER_START_OUT.pack(
-                _Basic.frame_id, frame_value.body_size
-            ) + _properties(frame_value.properties)
-            return b"".join((_HEAD.pack(_HEADER, channel_id, len(payload)), payload, _END_BYTE))
+            start = _HEADER_START_OUT.pack(_Basic.frame_id, frame_value.body_size)
+            return _frame(_HEADER, channel_id, start + _properties(frame_value.properties))
         elif kind is _Basic.Publish:
-            return _publish(frame_value, channel_id)
+            return _frame(_METHOD, channel_id, _publish(frame_value))
         elif kind is _Basic.Ack:
             multiple = frame_value.multiple
             if type(multiple) is bool:
-                return _ACK_OUT.pack(
-                    _METHOD, channel_id, 13, _INDEX_ACK, frame_value.delivery_tag, multiple
-                ) + _END_BYTE
+                tag = frame_value.delivery_tag
+                ack = _ACK_OUT.pack(_METHOD, channel_id, 13, _INDEX_ACK, tag, multiple)
+                return ack + _END_BYTE
     except (_Unusual, struct.error, TypeError, ValueError, AttributeError):
         pass  # pamqp says what is wrong with it, or encodes what is unusual its own way
     return _pamqp_marshal(frame_value, channel_id)
+
+
+def _frame(frame_type: int, channel_id: int, payload: bytes) -> bytes:
+    return b"".join((_HEAD.pack(frame_type, channel_id, len(payload)), payload, _END_BYTE))
 
 
 def _short(value: Any) -> bytes:
@@ -148,7 +150,7 @@ def _short(value: Any) -> bytes:
     return _LENGTH[len(encoded)] + encoded
 
 
-def _publish(frame: Any, channel_id: int) -> bytes:
+def _publish(frame: Any) -> bytes:
     exchange, mandatory, immediate = frame.exchange, frame.mandatory, frame.immediate
     if (
         frame.ticket != 0
@@ -159,7 +161,7 @@ def _publish(frame: Any, channel_id: int) -> bytes:
         or type(immediate) is not bool
     ):
         raise _Unusual
-    payload = b"".join(
+    return b"".join(
         (
             _PUBLISH.pack(_Basic.Publish.index, 0),
             _short(exchange),
@@ -167,7 +169,6 @@ def _publish(frame: Any, channel_id: int) -> bytes:
             _U8.pack(mandatory | immediate << 1),
         )
     )
-    return b"".join((_HEAD.pack(_METHOD, channel_id, len(payload)), payload, _END_BYTE))
 
 
 def _properties(properties: Any) -> bytes:
@@ -180,13 +181,7 @@ def _properties(properties: Any) -> bytes:
             continue
         flags |= flag
         if kind == "shortstr":
-            if type(value) is not str:
-                raise _Unusual
-            encoded = value.encode()
-            if len(encoded) > 255:
-                raise _Unusual
-            parts.append(_LENGTH[len(encoded)])
-            parts.append(encoded)
+            parts.append(_short(value))
         elif kind == "octet":
             if type(value) is not int:
                 raise _Unusual
