@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 
@@ -28,6 +29,9 @@ import asyncpg
 from .errors import EventStoreError
 
 __all__ = ["HotConnections", "PoolClosed"]
+
+CLOSE_TIMEOUT = 2.0
+"""Seconds an idle connection gets to close cleanly before it is terminated."""
 
 
 class PoolClosed(asyncpg.InterfaceError):  # type: ignore[misc]  # asyncpg ships no types
@@ -80,7 +84,7 @@ class HotConnections:
                     return await self._connect()
                 except BaseException:
                     self._counted -= 1
-                    self._wake()  # its place is free again: a waiter may open one
+                    self._freed()  # its place is free again: a waiter may open one
                     raise
             loop = asyncio.get_running_loop()
             if deadline is None:
@@ -95,7 +99,9 @@ class HotConnections:
                     self._wake()  # woken, then cancelled or timed out: the next one goes
                 else:
                     waiter.cancel()
-                    self._waiters.remove(waiter)
+                    # a release may have passed over it already (it skips cancelled waiters)
+                    with contextlib.suppress(ValueError):
+                        self._waiters.remove(waiter)
                 raise
 
     def release(self, connection: asyncpg.Connection, *, reuse: bool = True) -> None:
@@ -111,6 +117,11 @@ class HotConnections:
         else:
             self._counted -= 1
             connection.terminate()
+        self._freed()
+
+    def _freed(self) -> None:
+        """A connection came back, or a place was freed: the next waiter goes, or, while
+        closing, ``close`` looks again."""
         if self._closing:
             if self._drained is not None and not self._drained.done():
                 self._drained.set_result(None)  # close() takes it from here
@@ -138,7 +149,8 @@ class HotConnections:
             self._counted -= len(idle)
             for connection in idle:
                 try:
-                    await connection.close()
+                    # bounded: a server gone silent would keep a plain close waiting
+                    await connection.close(timeout=CLOSE_TIMEOUT)
                 except Exception:
                     connection.terminate()
             if self._counted <= 0:

@@ -41,7 +41,7 @@ class Connection:
         self.closed = self.terminated = True
         self.gone.set()
 
-    async def close(self) -> None:
+    async def close(self, *, timeout: float | None = None) -> None:
         self.closed = True
         self.gone.set()
 
@@ -218,3 +218,64 @@ async def test_terminate_ends_a_close_that_waits() -> None:
     pool.terminate()
     pool.release(out)
     assert out.terminated and pool.opened == 0
+
+
+async def test_a_waiter_cancelled_as_a_connection_comes_back_is_cancelled_not_broken() -> None:
+    """Cancelled, then passed over by a release before it ran: the caller sees its own
+    cancellation (a ValueError here once surfaced as a permanent store error)."""
+    pool, _ = pool_of(1)
+    held = await pool.acquire()
+    waiter = asyncio.ensure_future(pool.acquire())
+    await waiting(pool, 1)
+    waiter.cancel()
+    pool.release(held)  # skips the cancelled waiter before it runs its own cleanup
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert not pool._waiters
+    assert await pool.acquire() is held
+
+
+class BlockingOpener(Opener):
+    """Opens only when ``go`` is set; fails the open instead when ``fail`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = asyncio.Event()
+        self.started = asyncio.Event()
+
+    async def __call__(self) -> Connection:
+        self.started.set()
+        await self.go.wait()
+        return await super().__call__()
+
+
+async def test_close_ends_when_an_open_under_way_fails() -> None:
+    opener = BlockingOpener()
+    pool = HotConnections(opener, size=1, timeout=FOREVER)
+    opening = asyncio.ensure_future(pool.acquire())
+    await opener.started.wait()
+    closing = asyncio.ensure_future(pool.close())
+    await eventually(lambda: pool._drained is not None, FOREVER, "close waits", interval=0)
+    opener.fail = 1
+    opener.go.set()
+    with pytest.raises(OSError):
+        await opening
+    await asyncio.wait_for(closing, FOREVER)
+    assert pool.opened == 0
+
+
+async def test_close_gives_up_on_an_idle_connection_that_does_not_close() -> None:
+    """A server gone silent: closing its connection would wait for ever; it is terminated."""
+
+    class Silent(Connection):
+        async def close(self, *, timeout: float | None = None) -> None:
+            self.close_timeout = timeout
+            if timeout is None:
+                await asyncio.Event().wait()
+            raise TimeoutError
+
+    pool = HotConnections(lambda: asyncio.sleep(0, Silent()), size=1, timeout=FOREVER)
+    connection = await pool.acquire()
+    pool.release(connection)
+    await asyncio.wait_for(pool.close(), FOREVER)
+    assert connection.terminated and connection.close_timeout is not None
