@@ -121,7 +121,7 @@ class InMemoryEventStore(EventStore):
             ids.append(self._next_outbox_id)
             self._outbox[self._next_outbox_id] = (
                 message,
-                self._clock() + outbox_delay,
+                self._clock() + max(outbox_delay, message.delay),
                 deployment,
             )
             self._next_outbox_id += 1
@@ -206,7 +206,10 @@ class InMemoryEventStore(EventStore):
                 break
             if available_at <= now and _relays(deployment, owner):
                 self._outbox[outbox_id] = (message, now + lease, owner)
-                claimed.append(OutboxEntry(outbox_id, copy.deepcopy(message)))
+                # its delay is spent once it can be claimed, as PostgreSQL's row knows no delay
+                claimed.append(
+                    OutboxEntry(outbox_id, dataclasses.replace(copy.deepcopy(message), delay=0.0))
+                )
         return claimed
 
     async def delete_outbox(self, ids: Sequence[int]) -> None:

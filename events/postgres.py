@@ -86,11 +86,12 @@ _APPEND = text(
         INSERT INTO outbox (message_id, stream_id, exchange, routing_key, properties, body,
                             available_at, deployment)
         SELECT mi, :stream, ex, rk, CAST(pr AS jsonb), bd,
-               now() + make_interval(secs => CAST(:outbox_delay AS double precision)),
+               now() + make_interval(secs => greatest(CAST(:outbox_delay AS double precision), dl)),
                (SELECT deployment FROM appended ORDER BY global_position LIMIT 1)
         FROM unnest(CAST(:message_ids AS text[]), CAST(:exchanges AS text[]),
                     CAST(:routing_keys AS text[]), CAST(:properties AS text[]),
-                    CAST(:bodies AS bytea[])) AS o(mi, ex, rk, pr, bd)
+                    CAST(:bodies AS bytea[]), CAST(:delays AS double precision[]))
+             AS o(mi, ex, rk, pr, bd, dl)
         WHERE EXISTS (SELECT 1 FROM appended)
         RETURNING id
     )
@@ -481,6 +482,7 @@ class PostgresEventStore(EventStore):
             "routing_keys": [m.routing_key for m in outbox],
             "properties": [dumps(m.properties).decode() for m in outbox],
             "bodies": [m.body for m in outbox],
+            "delays": [float(m.delay) for m in outbox],
         }
         try:
             async with self._hot_connection() as connection:

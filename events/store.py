@@ -23,9 +23,10 @@ Contract (the shared suite in ``tests/contract/test_event_store.py`` runs it aga
   calls with their deadlines, a ``SubtaskClaimed`` removes one, a ``DeadlineExtended`` moves
   one, a terminal event removes the task's rest. ``claim_expired_calls`` leases expired ones
   for ``lease`` seconds, skipping those another sweeper holds.
-* The outbox: rows become visible to ``claim_outbox`` after ``outbox_delay`` seconds (the writer
-  publishes them itself first); a claim leases rows for ``lease`` seconds so two relays do not
-  publish the same row at once; ``delete_outbox`` forgets published rows.
+* The outbox: rows become visible to ``claim_outbox`` after ``outbox_delay`` seconds, or their
+  message's own ``delay`` when that is longer (the writer publishes them itself first, and a
+  claimed message's delay is spent); a claim leases rows for ``lease`` seconds so two relays
+  do not publish the same row at once; ``delete_outbox`` forgets published rows.
   Each row belongs to the deployment (queue prefix) named by its events' metadata
   ``deployment``, as a pending call does: ``claim_outbox(deployment=d)`` and
   ``outbox_size(deployment=d)`` see only the rows of ``d`` and those of no deployment (written
@@ -74,6 +75,9 @@ class OutboxMessage:
     properties: dict[str, Any] = field(default_factory=dict)
     """AMQP properties: ``type``, ``correlation_id``, ``reply_to``, ``headers``, …"""
     exchange: str = ""
+    delay: float = 0.0
+    """Seconds after the commit before it may reach its queue (a retry's backoff): its writer
+    publishes it to wait that long in the broker, and the relay takes its row no sooner."""
 
 
 @dataclass(frozen=True, slots=True)

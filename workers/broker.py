@@ -159,10 +159,17 @@ class Broker(abc.ABC):
         """Publish ``message`` to reach its queue after ``delay`` seconds (see the contract)."""
 
     async def publish_all(self, messages: Sequence[OutboxMessage]) -> list[BrokerError | None]:
-        """Publish all of ``messages`` at once (their confirms awaited together); the error of
-        each, or None. Errors other than :class:`BrokerError` propagate."""
+        """Publish all of ``messages`` at once (their confirms awaited together; one with a
+        ``delay`` through :meth:`publish_later`); the error of each, or None. Errors other than
+        :class:`BrokerError` propagate."""
         outcomes = await asyncio.gather(
-            *(self.publish(message) for message in messages), return_exceptions=True
+            *(
+                self.publish_later(message, message.delay)
+                if message.delay > 0
+                else self.publish(message)
+                for message in messages
+            ),
+            return_exceptions=True,
         )
         errors: list[BrokerError | None] = []
         for outcome in outcomes:

@@ -106,6 +106,8 @@ class Extension:
     resumed_at: float | None
     """None when the run in place failed (the decision goes on by resume message)."""
     failed_runs: int = 0
+    retry_delay: float = 0.0
+    """With ``failed_runs``: the agent's backoff, which the resume message waits in the broker."""
     made: Sequence[NewEvent] = ()
     """The first of ``events`` as already made ready to append (:meth:`Recorder.new_events`,
     under the decision's causation key), given again instead of made anew: chained once."""
@@ -601,6 +603,7 @@ class Recorder:
                     cause,
                     step=step,
                     resume_attempts=extension.failed_runs if extension else 0,
+                    resume_delay=extension.retry_delay if extension else 0.0,
                     history=history,
                     made=extension.made if extension and described is state else (),
                 )
@@ -722,6 +725,7 @@ class Recorder:
                 causation,
                 waiting.cause,
                 resume_attempts=extension.failed_runs if extension else 0,
+                resume_delay=extension.retry_delay if extension else 0.0,
                 context=waiting.context,
                 made=extension.made if extension else (),
             )
@@ -794,12 +798,13 @@ class Recorder:
         cause: Cause,
         *,
         resume_attempts: int = 0,
+        resume_delay: float = 0.0,
         context: contextvars.Context | None = None,
         made: Sequence[NewEvent] = (),
     ) -> _Part:
         """One decision made ready to append: its events with their ids and metadata, and the
-        messages they imply (``resume_attempts``: see :meth:`commit`; ``context``: see
-        :class:`_Part`; ``made``: see :class:`Extension`)."""
+        messages they imply (``resume_attempts``, ``resume_delay``: see :meth:`commit`;
+        ``context``: see :class:`_Part`; ``made``: see :class:`Extension`)."""
         if len(made) > len(events) or any(
             new.event_type != event.event_type for new, event in zip(made, events, strict=False)
         ):
@@ -812,7 +817,9 @@ class Recorder:
         messages = implied_messages(self.names, state, events, reply_to)
         if resume_attempts:
             messages = [
-                with_attempts(m, resume_attempts) if m.properties.get("type") == TYPE_RESUME else m
+                with_attempts(m, resume_attempts, delay=resume_delay)
+                if m.properties.get("type") == TYPE_RESUME
+                else m
                 for m in messages
             ]
         return _Part(state, list(events), new_events, messages, context)
@@ -826,17 +833,25 @@ class Recorder:
         *,
         step: str,
         resume_attempts: int = 0,
+        resume_delay: float = 0.0,
         history: list[RecordedEvent] | None = None,
         made: Sequence[NewEvent] = (),
     ) -> bool:
         """Append and publish; False when the events were already recorded (nothing done).
 
         ``resume_attempts``: runs of the resumed handler that already failed in place; the resume
-        message carries the count, so that the retries stay within the delivery limit.
+        message carries the count, so that the retries stay within the agent's attempts, and
+        waits ``resume_delay`` seconds (the agent's backoff) in the broker first.
         ``history``: the stream's events ``state`` was folded from; the stream as it is after
         this append is then cached for the next decision on it (:class:`StreamCache`)."""
         part = self.part(
-            state, events, causation_key, cause, resume_attempts=resume_attempts, made=made
+            state,
+            events,
+            causation_key,
+            cause,
+            resume_attempts=resume_attempts,
+            resume_delay=resume_delay,
+            made=made,
         )
         return await self._commit_parts([part], step=step, history=history)
 

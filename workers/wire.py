@@ -245,10 +245,11 @@ def cancel_message(
     )
 
 
-def with_attempts(message: OutboxMessage, attempts: int) -> OutboxMessage:
-    """``message`` carrying how many runs of its handler already failed (``HEADER_ATTEMPTS``)."""
+def with_attempts(message: OutboxMessage, attempts: int, *, delay: float = 0.0) -> OutboxMessage:
+    """``message`` carrying how many runs of its handler already failed (``HEADER_ATTEMPTS``),
+    to reach its queue ``delay`` seconds after it is published (the backoff before the next)."""
     headers = {**(message.properties.get("headers") or {}), HEADER_ATTEMPTS: attempts}
-    return replace(message, properties={**message.properties, "headers": headers})
+    return replace(message, properties={**message.properties, "headers": headers}, delay=delay)
 
 
 def _resumed_here(following: Sequence[DomainEvent]) -> bool:

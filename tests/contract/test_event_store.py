@@ -13,6 +13,7 @@ import asyncio
 import collections
 import uuid
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -395,6 +396,34 @@ class EventStoreContract:
             assert not mine & set(await claim_ids(store))
         finally:
             await store.delete_outbox(list(mine))
+
+    async def test_a_row_whose_message_waits_a_delay_is_claimable_only_after_it(
+        self, store: EventStore
+    ) -> None:
+        """A message with a ``delay`` (a retry's backoff) is published by its writer to wait in
+        the broker; its row reaches a relay no sooner, and then with its delay spent."""
+        later, much_later = message("later"), message("much later")
+        result = await store.append(
+            new_stream(),
+            0,
+            probes(1),
+            prev_hash=GENESIS_HASH,
+            outbox=[replace(later, delay=0.3), replace(much_later, delay=3600)],
+            outbox_delay=0,
+        )
+        soon, never = result.outbox_ids
+        try:
+            claimed: dict[int, OutboxMessage] = {}
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while soon not in claimed:
+                assert loop.time() < deadline, "the row never became claimable"
+                claimed.update(await claim_ids(store, lease=30))
+                await asyncio.sleep(0.05)
+            assert claimed[soon] == later  # its delay spent: published at once now
+            assert never not in claimed
+        finally:
+            await store.delete_outbox([soon, never])
 
     async def test_an_expired_lease_makes_a_row_claimable_again(self, store: EventStore) -> None:
         result = await store.append(

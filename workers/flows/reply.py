@@ -41,6 +41,7 @@ from events.chain import recorded_events
 
 from ..broker import Delivery
 from ..intake import Rejection
+from ..policies import Permanent
 from ..recorder import Applied, Cause, Extension
 from ..settle import Settled, ack, dead
 from ..wire import ResultEnvelope
@@ -163,9 +164,11 @@ async def _resume_in_place(
     serving the agent takes): when resuming in place is off, when this worker does not serve
     the task's agent, or when the agent has pool limits (its resumed run must take its slots,
     and wait in the broker when they are full, as every run of it does: ``workers.limits``).
-    When the handler raises or returns something invalid, the decision stays too, and its
-    resume message counts that failed run, so that retries and the final failure follow the
-    resume path within the same delivery limit.
+    A run that fails is judged by the agent's policy, as any run is: an error that trying again
+    cannot help (``Permanent``, an outcome that can never be recorded), or an agent that allows
+    no retry, fails the task in this same append; otherwise the decision stays, and its resume
+    message counts that failed run and waits the agent's first backoff in the broker, so that
+    the retries and the final failure follow the resume path within the agent's attempts.
     """
     if not (flows.settings.resume_in_place and events and isinstance(events[-1], TaskResumed)):
         return None
@@ -192,27 +195,40 @@ async def _resume_in_place(
             max_timeout=flows.settings.max_call_duration,
             max_state_bytes=flows.settings.max_state_bytes,
         )
-    except InvalidTransition as error:
-        # an outcome that can never be recorded: retrying cannot help (as on the resume path)
-        log.error(
-            "task %s failed for good: its run resumed in place gave %s",
-            state.task_id,
-            error_of(error),
-        )
-        return Extension(
-            [*events, *decide_failure(resumed, error_of(error))],
-            checkpoint_started=None,
-            resumed_at=decided_at,
-            made=own,
-        )
     except Exception as error:
+        # the first run of this step: the agent's policy decides, as for any other run
+        attempts = spec.attempts(flows.settings.delivery_limit)
+        if isinstance(error, (InvalidTransition, Permanent)) or attempts <= 1:
+            # trying again cannot help, or the agent allows no retry: fail now, in this append
+            log.error(
+                "task %s failed for good: its run resumed in place raised %s",
+                state.task_id,
+                error_of(error),
+            )
+            return Extension(
+                [*events, *decide_failure(resumed, error_of(error))],
+                checkpoint_started=None,
+                resumed_at=decided_at,
+                made=own,
+            )
+        delay = spec.backoff.delay(1)
         log.warning(
-            "task %s: the resumed handler raised %s; a resume message retries it",
+            "task %s: the resumed handler raised %s (attempt 1 of %d); a resume message "
+            "retries it in %.2fs",
             state.task_id,
             error_of(error),
+            attempts,
+            delay,
         )
         flows.observer.count("resumes_handed_over")
-        return Extension(events, checkpoint_started=None, resumed_at=None, failed_runs=1, made=own)
+        return Extension(
+            events,
+            checkpoint_started=None,
+            resumed_at=None,
+            failed_runs=1,
+            retry_delay=delay,
+            made=own,
+        )
     return Extension(
         [*events, *following],
         checkpoint_started=returned_at if isinstance(outcome, Pause) else None,
