@@ -17,9 +17,14 @@ Contract (the shared suite in ``tests/contract/test_broker.py`` runs it against 
   higher one holds its ``prefetch`` (RabbitMQ's consumer priorities, ``x-priority``).
 * ``publish(message)`` sends a persistent, mandatory message and returns once the broker has
   confirmed it. It raises :class:`Unroutable` when no queue took it (the broker returned it),
-  :class:`PublishRefused` when the broker refused it, and :class:`BrokerUnavailable` when the
-  connection went before the confirm came: then whether the message was kept is unknown (it may
-  be delivered or not), so a caller that must not lose it keeps it elsewhere (the outbox).
+  :class:`PublishRefused` when the broker refused it (a negative confirm: a full queue that
+  rejects publishes, a queue without a leader; it may pass later), :class:`Unsendable` when the
+  message can never be published as it is (larger than the broker takes, or a property or
+  header AMQP cannot encode: nothing was sent), and :class:`BrokerUnavailable` when the
+  connection or channel went before the confirm came: then whether the message was kept is
+  unknown (it may be delivered or not), so a caller that must not lose it keeps it elsewhere
+  (the outbox). A refusal is the fault of that message alone: the others published with it
+  are confirmed, or fail with :class:`BrokerUnavailable`, on their own.
 * ``publish_later(message, delay)`` is ``publish``, but the message reaches its queue only after
   ``delay`` seconds or a little more (never sooner), waiting in the broker meanwhile (a wait queue
   whose messages go on to their queue when their time is up): no worker holds it while it waits.
@@ -39,12 +44,17 @@ Contract (the shared suite in ``tests/contract/test_broker.py`` runs it against 
 * Quorum-queue policy: a message delivered more than the delivery limit times without being
   settled is dead-lettered by the broker itself through the dead-letter exchange.
 
+* Incoming metadata is hostile input: a delivery whose properties or headers cannot be decoded
+  still comes, with what could be decoded and the header ``x-waystation-undecodable`` saying
+  what could not (``workers.brokers.metadata``); the connection stays up.
+
 Errors::
 
     BrokerError
     ├── BrokerUnavailable   the connection or channel is gone; it comes back, retry then
     ├── Unroutable          a mandatory publish no queue took (the broker returned it)
-    └── PublishRefused      the broker refused (nacked) a publish
+    └── PublishRefused      the broker refused (nacked) a publish; it may pass later
+        └── Unsendable      it can never be published as it is (too large, cannot be encoded)
 """
 
 from __future__ import annotations
@@ -67,6 +77,7 @@ __all__ = [
     "DeliveryHandler",
     "PublishRefused",
     "Unroutable",
+    "Unsendable",
 ]
 
 
@@ -88,7 +99,26 @@ class Unroutable(BrokerError):
 
 
 class PublishRefused(BrokerError):
-    """The broker refused a publish (a negative confirm)."""
+    """The broker refused a publish (a negative confirm); the same message may pass later.
+
+    ``reason`` is machine-readable (``refused``, or an :class:`Unsendable`'s)."""
+
+    reason = "refused"
+
+    def __init__(self, message_id: str, detail: str) -> None:
+        super().__init__(f"message {message_id!r}: {detail}")
+        self.message_id = message_id
+        self.detail = detail
+
+
+class Unsendable(PublishRefused):
+    """The message can never be published as it is; nothing of it was sent. ``reason``:
+    ``too-large`` (over the broker's ``max_message_size``) or ``unencodable`` (a property or
+    header AMQP cannot encode, such as a short string over 255 bytes)."""
+
+    def __init__(self, message_id: str, detail: str, *, reason: str) -> None:
+        super().__init__(message_id, detail)
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -160,8 +190,9 @@ class Broker(abc.ABC):
 
     async def publish_all(self, messages: Sequence[OutboxMessage]) -> list[BrokerError | None]:
         """Publish all of ``messages`` at once (their confirms awaited together; one with a
-        ``delay`` through :meth:`publish_later`); the error of each, or None. Errors other than
-        :class:`BrokerError` propagate."""
+        ``delay`` through :meth:`publish_later`); the error of each, or None. One message's
+        failure is its own: an error other than a :class:`BrokerError` (the client library
+        failing on it) is that message's :class:`Unsendable`, never the batch's."""
         outcomes = await asyncio.gather(
             *(
                 self.publish_later(message, message.delay)
@@ -172,11 +203,14 @@ class Broker(abc.ABC):
             return_exceptions=True,
         )
         errors: list[BrokerError | None] = []
-        for outcome in outcomes:
+        for message, outcome in zip(messages, outcomes, strict=True):
             if isinstance(outcome, BrokerError):
                 errors.append(outcome)
+            elif isinstance(outcome, Exception):
+                detail = f"the client failed to publish it: {outcome!r}"[:500]
+                errors.append(Unsendable(message.message_id, detail, reason="unencodable"))
             elif isinstance(outcome, BaseException):
-                raise outcome
+                raise outcome  # (a cancellation)
             else:
                 errors.append(None)
         return errors

@@ -36,7 +36,7 @@ from aiormq.abc import FieldValue
 
 from events.codec import dumps, loads
 
-from .brokers import frames
+from .brokers.transport import guarded_connection
 from .wire import CONTENT_TYPE, HEADER_TRACE, TYPE_CANCEL, TYPE_QUERY, TYPE_TASK, Names
 
 __all__ = ["Client", "TaskLookup", "TaskResult"]
@@ -109,8 +109,9 @@ class Client:
         await self.close()
 
     async def connect(self) -> None:
-        frames.install()  # the faster codec of the hot path's frames (workers.brokers.frames)
-        self._connection = await aio_pika.connect_robust(
+        # its frames read defensively: a result with metadata that cannot be decoded costs
+        # that result, not the connection (workers.brokers.transport)
+        self._connection = await guarded_connection(
             self.amqp_url, client_properties={"connection_name": "waystation client"}
         )
         self._channel = await self._connection.channel(

@@ -12,20 +12,34 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aio_pika
 import pytest
 import pytest_asyncio
 
 from events import OutboxMessage
-from workers.broker import Broker, BrokerUnavailable, Delivery, PublishRefused, Unroutable
+from workers.broker import (
+    Broker,
+    BrokerUnavailable,
+    Delivery,
+    PublishRefused,
+    Unroutable,
+    Unsendable,
+)
 from workers.brokers.amqp import AmqpBroker
 from workers.brokers.memory import InMemoryBroker, InMemoryConnection
+from workers.brokers.metadata import HEADER_RAW, HEADER_UNDECODABLE
 from workers.topology import clear_policy, policy_definition
 from workers.wire import Names
 
-from ..harness.broker import close_broker_connections, delete_topology, fresh_prefix
+from ..harness.broker import (
+    broker_size_limit,
+    close_broker_connections,
+    delete_topology,
+    fresh_prefix,
+    publish_raw_properties,
+)
 from ..support import Services, require
 
 AGENT = "agent"
@@ -91,6 +105,13 @@ class Backend:
     drop: Callable[[Broker], Awaitable[None]]
     delivery_limit: int
     """The broker's own delivery limit for the deployment's queues (its policy)."""
+    bounded_queue: Callable[[Broker, str, int], Awaitable[None]]
+    """Declare a queue of at most this many messages that rejects publishes when full."""
+    size_limit: Callable[[int], contextlib.AbstractAsyncContextManager[None]]
+    """The broker refuses messages larger than this many bytes, for the block, on connections
+    opened within it."""
+    publish_raw: Callable[[str, bytes, bytes], Awaitable[None]]
+    """Publish to a queue a body with properties as raw AMQP bytes (a hostile publisher)."""
 
 
 class BrokerContract:
@@ -408,6 +429,136 @@ class BrokerContract:
         await broker.ack(letter)
         dead.hold.set()
 
+    # -- the broker says no --
+
+    async def test_a_full_queue_that_rejects_publishes_refuses_only_that_message(
+        self, backend: Backend
+    ) -> None:
+        """A ``basic.nack`` fails its own publish only, alone or in a batch, and may pass
+        later: a refusal, not an ``Unsendable``."""
+        broker = await backend.open()
+        await broker.declare(backend.names, [AGENT])
+        full = f"{backend.names.prefix}full"
+        await backend.bounded_queue(broker, full, 1)
+        await broker.publish(OutboxMessage("m-first", full, b"{}"))
+        refused = OutboxMessage("m-refused", full, b"{}")
+        with pytest.raises(PublishRefused) as caught:
+            await broker.publish(refused)
+        assert not isinstance(caught.value, Unsendable) and caught.value.reason == "refused"
+        errors = await broker.publish_all([refused, message(backend.names, 1), refused])
+        assert [type(e) if e else None for e in errors] == [PublishRefused, None, PublishRefused]
+        await broker.publish(message(backend.names, 2))  # the channel still confirms
+        inbox = Inbox()
+        await broker.consume(full, inbox, prefetch=1)
+        (first,) = await inbox.wait_for(1)
+        await broker.ack(first)  # room again: the same message passes now
+        await broker.publish(refused)
+        inbox.hold.set()
+
+    async def test_a_message_amqp_cannot_encode_is_unsendable_and_nothing_of_it_is_sent(
+        self, backend: Backend
+    ) -> None:
+        broker = await backend.open()
+        await broker.declare(backend.names, [AGENT])
+        bad = [
+            replace(message(backend.names, 1), message_id="m" * 256),
+            message(backend.names, 2, correlation_id="c" * 300),
+            message(backend.names, 3, headers={"raw": b"\xff\xfe"}),
+            message(backend.names, 4, headers={"what": object()}),
+        ]
+        for one in bad:
+            with pytest.raises(Unsendable) as caught:
+                await broker.publish(one)
+            assert caught.value.reason == "unencodable", one
+        errors = await broker.publish_all([*bad, message(backend.names, 7)])
+        assert [type(e) if e else None for e in errors] == [Unsendable] * 4 + [None]
+        inbox = Inbox()
+        await broker.consume(backend.names.tasks(AGENT), inbox, prefetch=10)
+        await broker.publish(message(backend.names, 8))
+        deliveries = await inbox.wait_for(2)
+        assert [d.message_id for d in deliveries] == ["m-7", "m-8"]  # none of the bad ones
+        inbox.hold.set()
+
+    async def test_a_message_larger_than_the_broker_takes_is_unsendable_alone(
+        self, backend: Backend
+    ) -> None:
+        """RabbitMQ closes the channel a message over its limit came on, failing whatever is
+        under way on it (and a frame sent on it afterwards takes the connection down): the
+        refusal must cost that message alone, the others published with it, large or small,
+        pass, and the connection stays up."""
+        limit = 96 * 1024
+        large = replace(message(backend.names, 0), message_id="m-large", body=b"x" * (2 * limit))
+        fits = replace(message(backend.names, 4), body=b'"' + b"y" * (80 * 1024) + b'"')
+        small = [message(backend.names, n) for n in range(1, 4)]
+        async with backend.size_limit(limit):
+            # (RabbitMQ reads its limit when a channel opens)
+            broker = await backend.open()
+            await broker.declare(backend.names, [AGENT])
+            errors = await broker.publish_all([small[0], large, fits, large, *small[1:]])
+            assert [type(e) if e else None for e in errors] == [
+                None,
+                Unsendable,
+                None,
+                Unsendable,
+                None,
+                None,
+            ], errors
+            assert all(e.reason == "too-large" for e in errors if e is not None)
+            with pytest.raises(Unsendable):  # again: refused as soon, however it is known
+                await broker.publish(large)
+            await broker.publish(message(backend.names, 9))
+        assert broker.connected
+        inbox = Inbox()
+        await broker.consume(backend.names.tasks(AGENT), inbox, prefetch=10)
+        deliveries = await inbox.wait_for(5)
+        assert sorted(d.message_id or "" for d in deliveries) == ["m-1", "m-2", "m-3", "m-4", "m-9"]
+        inbox.hold.set()
+
+    async def test_a_delivery_whose_metadata_cannot_be_decoded_comes_with_what_could_be(
+        self, backend: Backend
+    ) -> None:
+        """A hostile publisher's properties (here a ``message_id`` that is not UTF-8 beside a
+        good ``correlation_id``, then a header table nested 3,000 deep) cost that message: it
+        is delivered with what decodes and ``x-waystation-undecodable``; the connection stays
+        and the next message comes as it was sent."""
+        broker = await backend.open()
+        await broker.declare(backend.names, [AGENT])
+        inbox = Inbox()
+        queue = backend.names.tasks(AGENT)
+        await broker.consume(queue, inbox, prefetch=10)
+        not_utf8 = _flags(0x0400, 0x0080) + _short(b"c-good") + _short(b"\xff\xfe-id")
+        await backend.publish_raw(queue, b'{"n": 1}', not_utf8)
+        await backend.publish_raw(queue, b'{"n": 2}', _flags(0x2000) + _nested_table(3000))
+        await broker.publish(message(backend.names, 3))
+        first, second, third = await inbox.wait_for(3)
+        assert first.body == b'{"n": 1}' and first.correlation_id == "c-good"
+        assert first.message_id is None
+        assert "message_id" in first.headers[HEADER_UNDECODABLE]
+        assert bytes(first.headers[HEADER_RAW]) == not_utf8
+        assert second.body == b'{"n": 2}' and "headers" in second.headers[HEADER_UNDECODABLE]
+        assert (third.message_id, third.headers.get("x-test")) == ("m-3", 3)
+        assert HEADER_UNDECODABLE not in third.headers
+        for delivery in (first, second, third):
+            await broker.ack(delivery)
+        assert broker.connected
+        inbox.hold.set()
+
+
+def _flags(*flags: int) -> bytes:
+    return sum(flags).to_bytes(2, "big")
+
+
+def _short(value: bytes) -> bytes:
+    return bytes((len(value),)) + value
+
+
+def _nested_table(depth: int) -> bytes:
+    table = (0).to_bytes(4, "big")
+    for _ in range(depth):
+        entry = _short(b"k") + b"F" + table
+        table = len(entry).to_bytes(4, "big") + entry
+    return table
+
 
 # ---- aio-pika on the real RabbitMQ --------------------------------------------------------------
 
@@ -435,11 +586,22 @@ class TestAmqpBroker(BrokerContract):
             assert await close_broker_connections(broker.connection_name) == 1
             await eventually(lambda: not broker.connected, "the connection to drop")
 
+        async def bounded_queue(broker: Broker, name: str, length: int) -> None:
+            assert isinstance(broker, AmqpBroker)
+            await broker._channel().declare_queue(
+                name,
+                auto_delete=True,
+                arguments={"x-max-length": length, "x-overflow": "reject-publish"},
+            )
+
+        async def raw(queue: str, body: bytes, properties: bytes) -> None:
+            await publish_raw_properties(services.amqp_url, queue, body, properties)
+
         # Waystation's own limits come first; the broker's policy is the backstop past them
         (_, policy) = policy_definition(names, 1)
         limit = policy["delivery-limit"]
         assert isinstance(limit, int)
-        yield Backend(names, open_one, drop, limit)
+        yield Backend(names, open_one, drop, limit, bounded_queue, broker_size_limit, raw)
         for broker in opened:
             await broker.close()
         await delete_topology(services.amqp_url, names.prefix, [AGENT])
@@ -478,24 +640,6 @@ class TestAmqpBroker(BrokerContract):
         assert not broker.settleable(again)
         inbox.hold.set()
 
-    async def test_a_publish_the_broker_refuses_is_publish_refused(self, backend: Backend) -> None:
-        """A ``basic.nack`` (here a full queue that rejects publishes) fails its own publish
-        only, alone or in a batch."""
-        broker = await backend.open()
-        assert isinstance(broker, AmqpBroker)
-        await broker.declare(backend.names, [AGENT])
-        full = f"{backend.names.prefix}full"
-        channel = broker._channel()
-        await channel.declare_queue(
-            full, auto_delete=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"}
-        )
-        refused = OutboxMessage("m-refused", full, b"{}")
-        with pytest.raises(PublishRefused):
-            await broker.publish(refused)
-        errors = await broker.publish_all([refused, message(backend.names, 1), refused])
-        assert [type(e) if e else None for e in errors] == [PublishRefused, None, PublishRefused]
-        await broker.publish(message(backend.names, 2))  # the channel still confirms
-
 
 # ---- in memory ----------------------------------------------------------------------------------
 
@@ -514,7 +658,29 @@ class TestInMemoryBroker(BrokerContract):
             assert isinstance(broker, InMemoryConnection)
             broker.drop()
 
-        return Backend(Names(fresh_prefix()), open_one, drop, delivery_limit=2)
+        async def bounded_queue(broker: Broker, name: str, length: int) -> None:
+            server.declare_queue(name, max_length=length)
+
+        @contextlib.asynccontextmanager
+        async def size_limit(limit: int) -> AsyncIterator[None]:
+            server.max_message_bytes = limit
+            try:
+                yield
+            finally:
+                server.max_message_bytes = None
+
+        async def raw(queue: str, body: bytes, properties: bytes) -> None:
+            server.enqueue_raw(queue, body, properties)
+
+        return Backend(
+            Names(fresh_prefix()),
+            open_one,
+            drop,
+            delivery_limit=2,
+            bounded_queue=bounded_queue,
+            size_limit=size_limit,
+            publish_raw=raw,
+        )
 
     async def test_under_4_3_counting_a_requeue_raises_only_the_acquired_count(self) -> None:
         """RabbitMQ 4.3: ``x-delivery-count`` no longer counts a requeue, ``x-acquired-count``

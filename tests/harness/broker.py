@@ -217,7 +217,7 @@ async def close_all_broker_connections(vhost: str) -> None:
     )
 
 
-async def _connection_pids(connection_name: str) -> list[str]:
+async def connection_pids(connection_name: str) -> list[str]:
     """The broker's ids of every connection a client opened under ``connection_name``."""
     listing = await run_rabbitmqctl(
         "list_connections", "-q", "--no-table-headers", "pid", "client_properties"
@@ -229,7 +229,7 @@ async def _connection_pids(connection_name: str) -> list[str]:
 async def close_broker_connections(connection_name: str) -> int:
     """Force-close (``rabbitmqctl close_connection``) every broker connection of that client
     name; how many were closed."""
-    pids = await _connection_pids(connection_name)
+    pids = await connection_pids(connection_name)
     for pid in pids:
         await run_rabbitmqctl("close_connection", pid, "closed by a Waystation test")
     return len(pids)
@@ -237,7 +237,7 @@ async def close_broker_connections(connection_name: str) -> int:
 
 async def unacked_messages_of(connection_name: str) -> int:
     """Messages the broker has delivered to that client and not yet seen settled."""
-    pids = set(await _connection_pids(connection_name))
+    pids = set(await connection_pids(connection_name))
     channels = await run_rabbitmqctl(
         "list_channels", "-q", "--no-table-headers", "connection", "messages_unacknowledged"
     )
@@ -269,3 +269,56 @@ async def busy_queues(amqp_url: str, prefix: str) -> dict[str, tuple[int, int]]:
         if name.startswith(prefix) and name != dead and (int(ready) or int(unacked)):
             busy[name] = (int(ready), int(unacked))
     return busy
+
+
+# ---- hostile publishers and a broker that says no ----------------------------------------
+
+
+async def publish_raw_properties(
+    amqp_url: str, routing_key: str, body: bytes, properties: bytes, *, exchange: str = ""
+) -> None:
+    """Publish ``body`` with ``properties`` as raw AMQP bytes (a content header's, from its
+    property flags on), whatever they hold: what a hostile or broken client library sends and
+    no well-behaved one can. Returns once the broker has routed it (a round trip on the same
+    channel after it); raises when the broker closed the channel or connection instead."""
+    import aiormq
+    import aiormq.abc
+    import pamqp.commands
+    import pamqp.frame
+
+    connection = await aiormq.connect(amqp_url)
+    try:
+        channel = await connection.channel()
+        method = pamqp.frame.marshal(
+            pamqp.commands.Basic.Publish(exchange=exchange, routing_key=routing_key), channel.number
+        )
+        payload = b"".join((b"\x00\x3c\x00\x00", len(body).to_bytes(8, "big"), properties))
+        header = b"".join(
+            (b"\x02", channel.number.to_bytes(2, "big"), len(payload).to_bytes(4, "big"), payload)
+        )
+        content = b"".join(
+            (b"\x03", channel.number.to_bytes(2, "big"), len(body).to_bytes(4, "big"), body)
+        )
+        raw = method + header + b"\xce" + content + b"\xce"
+        await connection.write_queue.put(aiormq.abc.ChannelFrame(payload=raw, should_close=False))
+        await channel.basic_qos(prefetch_count=1)  # after the publish, on the same channel
+    finally:
+        await connection.close()
+
+
+async def _max_message_size() -> int:
+    found = await run_rabbitmqctl("eval", "application:get_env(rabbit, max_message_size).")
+    match = re.search(r"\{ok,(\d+)\}", found)
+    return int(match.group(1)) if match else 134_217_728
+
+
+@contextlib.asynccontextmanager
+async def broker_size_limit(limit: int) -> AsyncIterator[None]:
+    """RabbitMQ's ``max_message_size`` set to ``limit`` bytes for the block (the whole broker's:
+    a test that needs it runs alone), then set back."""
+    before = await _max_message_size()
+    await run_rabbitmqctl("eval", f"application:set_env(rabbit, max_message_size, {limit}).")
+    try:
+        yield
+    finally:
+        await run_rabbitmqctl("eval", f"application:set_env(rabbit, max_message_size, {before}).")

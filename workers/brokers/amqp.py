@@ -8,14 +8,27 @@ boundary into the port's own (``workers.broker``).
 The hot path goes under aio-pika to aiormq, its AMQP layer, where aio-pika's objects cost a
 measured share of a worker's CPU: publishes and acks are aiormq frames, and consumers take
 aiormq's deliveries as they come (:class:`_DirectQueue`). aio-pika still owns the connection,
-the channels and their recovery. The frames of the hot path are encoded and decoded by
-``workers.brokers.frames`` (installed into pamqp on connect), the same bytes faster.
+the channels and their recovery. The connection reads its frames through
+``workers.brokers.transport``: a delivery whose metadata cannot be decoded costs that message
+alone, never the connection.
+
+The broker can say no (``workers.broker``): a nack is :class:`PublishRefused`; a message the
+client cannot encode is :class:`Unsendable` before anything is sent; and one over RabbitMQ's
+``max_message_size`` closes the channel it came on (``PRECONDITION_FAILED - message size N is
+larger than configured max size M``), failing every publish under way on it, and a frame sent on
+that channel after its close takes the whole connection down (``CHANNEL_ERROR - expected
+'channel.open'``). So a message larger than :data:`LARGE_MESSAGE_BYTES`, while the broker's
+limit is not known, goes on a channel of its own, one at a time: its refusal costs it alone
+(:class:`Unsendable`, ``too-large``), and the limit learnt from it refuses the next larger
+message here, before anything is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,10 +55,12 @@ from ..broker import (
     DeliveryHandler,
     PublishRefused,
     Unroutable,
+    Unsendable,
 )
 from ..policies import wait_step
 from ..wire import Names
-from . import frames
+from .metadata import properties_of
+from .transport import guarded_connection
 
 __all__ = ["AmqpBroker", "delivery_of"]
 
@@ -54,6 +69,22 @@ _UNAVAILABLE = (
     aiormq.exceptions.ChannelInvalidStateError,
     ConnectionError,
 )
+
+
+LARGE_MESSAGE_BYTES = 64 * 1024
+"""Bodies larger than this go on the channel for large messages while the broker's size limit
+is not known (see the module): no broker is expected to refuse a smaller one."""
+LANE_RETURN_WAIT = 10.0
+"""Seconds a large message waits for its channel to come back after a refusal closed it."""
+_UNENCODABLE = (TypeError, ValueError, OverflowError, struct.error, RecursionError)
+"""What pamqp raises for a property or header it cannot encode (before anything is sent)."""
+_TOO_LARGE = re.compile(r"message size (\d+) is larger than configured max size (\d+)")
+
+
+def _size_limit(error: BaseException) -> int | None:
+    """The broker's size limit, when ``error`` is its refusal of a message over it."""
+    found = _TOO_LARGE.search(str(error))
+    return int(found.group(2)) if found else None
 
 
 def _broker_count(headers: dict[str, Any]) -> int:
@@ -227,11 +258,16 @@ class AmqpBroker(Broker):
         self._acks: dict[aiormq.abc.AbstractChannel, _Acks] = {}
         """Per channel, the acks of this turn of the loop, sent together at its end."""
         self._sending: set[asyncio.Future[None]] = set()
+        self.max_message_bytes: int | None = None
+        """The broker's ``max_message_size``, once a refusal told it: a larger message is
+        refused here (``Unsendable``), without closing the channel again."""
+        self._large: AbstractChannel | None = None
+        self._large_turn = asyncio.Lock()
+        """One large message at a time on ``_large`` (see the module)."""
 
     async def connect(self) -> None:
-        frames.install()
         try:
-            self._connection = await aio_pika.connect_robust(
+            self._connection = await guarded_connection(
                 self.url, client_properties={"connection_name": self.connection_name}
             )
             self._publishing = await self._connection.channel(
@@ -333,9 +369,52 @@ class AmqpBroker(Broker):
         await self._publish(message, name)
 
     async def _publish(self, message: OutboxMessage, exchange_name: str) -> None:
-        properties = message.properties
+        size = len(message.body)
+        limit = self.max_message_bytes
+        if limit is not None and size > limit:
+            raise Unsendable(
+                message.message_id,
+                f"message size {size} is larger than the broker's maximum {limit}",
+                reason="too-large",
+            )
+        if limit is None and size > LARGE_MESSAGE_BYTES:
+            async with self._large_turn:
+                if self.max_message_bytes is None:  # (still: none of those before told it)
+                    lane = await self._large_channel()
+                    await self._publish_on(message, exchange_name, lane)
+                    return
+            limit = self.max_message_bytes
+            if size > limit:
+                raise Unsendable(
+                    message.message_id,
+                    f"message size {size} is larger than the broker's maximum {limit}",
+                    reason="too-large",
+                )
+        await self._publish_on(message, exchange_name, self._channel())
+
+    async def _large_channel(self) -> AbstractChannel:
+        """The channel of large messages, opened when the first one comes; once it is back, when
+        a refusal closed it (aio-pika reopens it)."""
+        if self._connection is None:
+            raise BrokerUnavailable("the broker connection is not open")
         try:
-            publishing = self._channel()
+            if self._large is None:
+                self._large = await self._connection.channel(
+                    publisher_confirms=True, on_return_raises=True
+                )
+            elif self._large.is_closed and isinstance(self._large, aio_pika.RobustChannel):
+                await asyncio.wait_for(self._large.ready(), LANE_RETURN_WAIT)
+        except TimeoutError as error:
+            raise BrokerUnavailable("the channel of large messages did not come back") from error
+        except _UNAVAILABLE as error:
+            raise _translated(error) from error
+        return self._large
+
+    async def _publish_on(
+        self, message: OutboxMessage, exchange_name: str, publishing: AbstractChannel
+    ) -> None:
+        size = len(message.body)
+        try:
             if publishing.is_closed:  # as aio-pika's Exchange.publish checks first
                 raise aiormq.exceptions.ChannelInvalidStateError(f"{publishing!r} closed")
             channel = await publishing.get_underlay_channel()
@@ -345,23 +424,25 @@ class AmqpBroker(Broker):
                 message.body,
                 exchange=exchange_name,
                 routing_key=message.routing_key,
-                properties=aiormq.spec.Basic.Properties(
-                    message_id=message.message_id or None,
-                    correlation_id=properties.get("correlation_id"),
-                    reply_to=properties.get("reply_to"),
-                    message_type=properties.get("type"),
-                    content_type=properties.get("content_type"),
-                    headers=properties.get("headers") or None,
-                    delivery_mode=2,  # persistent
-                ),
+                properties=properties_of(message),
                 mandatory=True,
             )
         except aiormq.exceptions.PublishError as error:
             raise Unroutable(message.message_id, message.routing_key) from error
         except aiormq.exceptions.DeliveryError as error:
-            raise PublishRefused(f"the broker refused {message.message_id!r}") from error
+            raise PublishRefused(message.message_id, "the broker nacked it") from error
+        except aiormq.exceptions.ChannelPreconditionFailed as error:
+            limit = _size_limit(error)
+            if limit is not None:
+                self.max_message_bytes = min(limit, self.max_message_bytes or limit)
+                if size > limit:
+                    raise Unsendable(message.message_id, str(error), reason="too-large") from error
+            raise _translated(error) from error  # closed for another message: send it again
         except _UNAVAILABLE as error:
             raise _translated(error) from error
+        except _UNENCODABLE as error:
+            detail = f"cannot be encoded: {error or type(error).__name__}"
+            raise Unsendable(message.message_id, detail, reason="unencodable") from error
 
     async def ack(self, delivery: Delivery) -> None:
         """Acks made in one turn of the event loop on one channel go out in one write (one

@@ -11,6 +11,15 @@ opens its own :class:`InMemoryConnection`, which implements the port (``workers.
 * past the delivery limit the broker dead-letters the message through the queue's dead-letter
   exchange (``x-first-death-reason: delivery_limit``);
 * a mandatory publish that no queue takes raises :class:`~workers.broker.Unroutable`;
+* the broker can say no (``workers.broker``): a message whose routing key, properties or headers
+  AMQP cannot encode raises :class:`~workers.broker.Unsendable` before anything is sent; one
+  larger than ``max_message_bytes`` raises it too (``too-large``); a queue declared with
+  ``max_length`` and
+  ``overflow="reject-publish"`` that is full nacks a publish, and so does the broker itself at
+  ``nack_rate`` (:class:`~workers.broker.PublishRefused`);
+* :meth:`InMemoryBroker.enqueue_raw` takes a message whose properties are raw bytes, as a
+  hostile publisher writes them, and delivers what the AMQP backend would give for them
+  (``workers.brokers.metadata.guard_content_header``);
 * a publish not yet confirmed when its connection drops raises
   :class:`~workers.broker.BrokerUnavailable`, and the message was kept or lost depending on
   whether the broker had received it;
@@ -27,14 +36,26 @@ import asyncio
 import collections
 import contextvars
 import random
+import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import pamqp.header
+
 from events import OutboxMessage
 
-from ..broker import Broker, BrokerUnavailable, Delivery, DeliveryHandler, Unroutable
+from ..broker import (
+    Broker,
+    BrokerUnavailable,
+    Delivery,
+    DeliveryHandler,
+    PublishRefused,
+    Unroutable,
+    Unsendable,
+)
 from ..wire import Names
+from .metadata import check_encodable, guard_content_header
 
 __all__ = ["InMemoryBroker", "InMemoryConnection", "StoredMessage"]
 
@@ -42,6 +63,7 @@ Counting = Literal["classic", "4.3"]
 Latency = Callable[[str], float]
 
 _PROPERTIES = ("message_id", "correlation_id", "reply_to", "type", "content_type", "user_id")
+_HEADER_START = struct.Struct(">HHQ")
 
 
 @dataclass(eq=False)
@@ -90,6 +112,12 @@ class _Queue:
     turn: int = 0
     delivery_limit: int | None = None
     dead_letter_exchange: str | None = None
+    max_length: int | None = None
+    """With ``overflow="reject-publish"``: a publish to the queue holding this many is nacked."""
+
+    def full(self) -> bool:
+        held = len(self.ready) + sum(len(c.unacked) for c in self.consumers)
+        return self.max_length is not None and held >= self.max_length
 
 
 class InMemoryBroker:
@@ -104,8 +132,17 @@ class InMemoryBroker:
         rng: random.Random | None = None,
         duplicate_rate: float = 0.0,
         keep_ledger: bool = False,
+        max_message_bytes: int | None = None,
+        nack_rate: float = 0.0,
     ) -> None:
         self.delivery_limit = delivery_limit
+        self.max_message_bytes = max_message_bytes
+        """RabbitMQ's ``max_message_size``: a larger body is refused (None: no limit)."""
+        self.nack_rate = nack_rate
+        """Share of publishes the broker nacks of itself (a queue without a leader, a full
+        disk), drawn from ``rng``."""
+        self.refused = 0
+        """Publishes refused: nacked, or too large."""
         self.counting = counting
         self.latency = latency
         self.duplicate_rate = duplicate_rate
@@ -127,8 +164,12 @@ class InMemoryBroker:
 
     # ---- administration (what a broker's operator or a test does) ----------------------------
 
-    def declare_queue(self, name: str) -> None:
-        self.queues.setdefault(name, _Queue(name))
+    def declare_queue(self, name: str, *, max_length: int | None = None) -> None:
+        """Declare ``name``; with ``max_length``, as a queue with ``x-max-length`` and
+        ``x-overflow: reject-publish``."""
+        queue = self.queues.setdefault(name, _Queue(name))
+        if max_length is not None:
+            queue.max_length = max_length
 
     def delete_queue(self, name: str) -> None:
         queue = self.queues.pop(name, None)
@@ -178,9 +219,36 @@ class InMemoryBroker:
 
         asyncio.get_running_loop().call_later(max(0.0, delay), arrive)
 
+    def refusal(self, queues: Iterable[str], message: OutboxMessage) -> str | None:
+        """Why the broker nacks ``message`` to ``queues`` (None: it takes it)."""
+        full = [name for name in queues if self.queues[name].full()]
+        if full:
+            return f"queue {full[0]!r} is full (x-overflow: reject-publish)"
+        if self.nack_rate and self._rng.random() < self.nack_rate:
+            return "the broker nacked it"
+        return None
+
+    def enqueue_raw(self, queue: str, body: bytes, properties: bytes) -> None:
+        """Put a message whose properties are ``properties`` as raw AMQP bytes (a content
+        header's, after its flags' class, weight and body size) in ``queue``, delivered as the
+        AMQP backend would decode them: what cannot be decoded is named in the headers."""
+        payload = guard_content_header(_HEADER_START.pack(60, 0, len(body)) + properties)
+        header = pamqp.header.ContentHeader()
+        header.unmarshal(payload)
+        p = header.properties
+        given = {
+            "message_id": p.message_id,
+            "correlation_id": p.correlation_id,
+            "reply_to": p.reply_to,
+            "type": p.message_type,
+            "content_type": p.content_type,
+            "user_id": p.user_id,
+        }
+        self.enqueue([queue], OutboxMessage("", queue, body, {**given, "headers": p.headers}))
+
     def enqueue(self, queues: Iterable[str], message: OutboxMessage) -> None:
         properties = {
-            "message_id": message.message_id or None,
+            "message_id": message.message_id or message.properties.get("message_id") or None,
             **{k: message.properties.get(k) for k in _PROPERTIES if k != "message_id"},
         }
         copies = 2 if self.duplicate_rate and self._rng.random() < self.duplicate_rate else 1
@@ -395,36 +463,48 @@ class InMemoryConnection(Broker):
         )
 
     async def publish(self, message: OutboxMessage) -> None:
-        epoch = self._require_up()
-        await self._wait("publish")
-        if not self._up or self._epoch != epoch:  # lost on the way: the broker never saw it
-            raise BrokerUnavailable(f"connection {self.name!r} dropped before the publish")
-        queues = self.broker.route(message.exchange, message.routing_key)
-        if queues:
-            self.broker.enqueue(queues, message)
-        if self.on_sent is not None:
-            self.on_sent(message)
-        await self._wait("confirm")
-        if not self._up or self._epoch != epoch:  # kept (if routed), but the confirm is lost
-            raise BrokerUnavailable(f"connection {self.name!r} dropped before the confirm")
-        if not queues:
-            raise Unroutable(message.message_id, message.routing_key)
+        await self._publish(message, None)
 
     async def publish_later(self, message: OutboxMessage, delay: float) -> None:
+        await self._publish(message, delay)
+
+    async def _publish(self, message: OutboxMessage, delay: float | None) -> None:
+        check_encodable(message)  # the client refuses it: nothing is sent
         epoch = self._require_up()
         await self._wait("publish")
         if not self._up or self._epoch != epoch:
+            # lost on the way: the broker never saw it
             raise BrokerUnavailable(f"connection {self.name!r} dropped before the publish")
+        limit = self.broker.max_message_bytes
+        if limit is not None and len(message.body) > limit:
+            # (RabbitMQ closes the channel it came on: the AMQP backend sends a large message
+            # on a channel of its own, so that this costs it alone)
+            self.broker.refused += 1
+            raise Unsendable(
+                message.message_id,
+                f"message size {len(message.body)} is larger than the broker's maximum {limit}",
+                reason="too-large",
+            )
         queues = self.broker.route(message.exchange, message.routing_key)
-        if not queues:
-            raise Unroutable(message.message_id, message.routing_key)
-        # kept by the broker while it waits (a wait queue), whatever happens to this connection
-        self.broker.enqueue_later(queues, message, delay)
+        refused = self.broker.refusal(queues, message) if queues else None
+        if refused is None and queues:
+            if delay is None:
+                self.broker.enqueue(queues, message)
+            else:
+                # kept by the broker while it waits (a wait queue), whatever this connection does
+                self.broker.enqueue_later(queues, message, delay)
+        elif refused is not None:
+            self.broker.refused += 1
         if self.on_sent is not None:
             self.on_sent(message)
         await self._wait("confirm")
         if not self._up or self._epoch != epoch:
+            # kept (if routed), but the confirm is lost
             raise BrokerUnavailable(f"connection {self.name!r} dropped before the confirm")
+        if not queues:
+            raise Unroutable(message.message_id, message.routing_key)
+        if refused is not None:
+            raise PublishRefused(message.message_id, refused)
 
     def _owned(self, delivery: Delivery) -> tuple[_Consumer, int]:
         consumer, tag = delivery.handle
