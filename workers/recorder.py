@@ -256,18 +256,26 @@ class StreamCache:
         self._bytes = 0
         self._streams: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
         """Per stream: its events, their size, and when they were put (so the oldest first)."""
-        self._taken: dict[str, _Entry] = {}
+        self._taken: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
         """What ``take`` handed out, so that putting it back with a few more events only
-        measures those."""
+        measures those; within the same bounds (a copy taken and never put back, its decision
+        taken elsewhere or failed, must not hold memory outside them)."""
+        self._taken_bytes = 0
 
     @property
     def size(self) -> tuple[int, int]:
-        """(streams, bytes) held now."""
+        """(streams, bytes) ready to take now."""
         return len(self._streams), self._bytes
+
+    @property
+    def held(self) -> tuple[int, int]:
+        """(streams, bytes) this cache keeps a reference to: ready, or handed out and not put
+        back yet. Both stay within the bounds."""
+        return len(self._streams) + len(self._taken), self._bytes + self._taken_bytes
 
     def put(self, stream_id: str, events: list[RecordedEvent], *, finished: bool) -> None:
         self._drop(stream_id)
-        taken = self._taken.pop(stream_id, None)
+        taken = self._untake(stream_id)
         if finished:
             return  # nothing more is decided on it but late replies, which read it
         known = len(taken[0]) if taken is not None else 0
@@ -279,8 +287,7 @@ class StreamCache:
             return
         self._streams[stream_id] = (events, size, self._clock(), None)
         self._bytes += size
-        while len(self._streams) > self._max_streams or self._bytes > self._max_bytes:
-            self._drop(next(iter(self._streams)))
+        self._shrink()
         self._expire()
 
     def peek(self, stream_id: str) -> TaskState | None:
@@ -310,19 +317,43 @@ class StreamCache:
         entry = self._drop(stream_id)
         if entry is None:
             return None
-        if len(self._taken) >= self._max_streams:
-            self._taken.clear()  # taken and never put back: decided elsewhere, or failed
+        self._untake(stream_id)
         self._taken[stream_id] = entry
+        self._taken_bytes += entry[1]
+        self._shrink()
         return entry[0]
 
+    def _untake(self, stream_id: str) -> _Entry | None:
+        entry = self._taken.pop(stream_id, None)
+        if entry is not None:
+            self._taken_bytes -= entry[1]
+        return entry
+
+    def _shrink(self) -> None:
+        """Within the bounds again: the copies put longest ago go first, ready or handed out
+        (one taken and never put back: decided elsewhere, or failed)."""
+        while (
+            len(self._streams) + len(self._taken) > self._max_streams
+            or self._bytes + self._taken_bytes > self._max_bytes
+        ):
+            ready = next(iter(self._streams.items()), None)
+            taken = next(iter(self._taken.items()), None)
+            if taken is None or (ready is not None and ready[1][2] <= taken[1][2]):
+                assert ready is not None
+                self._drop(ready[0])
+            else:
+                self._untake(taken[0])
+
     def _expire(self) -> None:
-        """Drop the copies put ``max_age`` seconds ago or earlier (the oldest come first)."""
+        """Drop the copies put ``max_age`` seconds ago or earlier (the oldest come first), ready
+        or handed out."""
         oldest = self._clock() - self._max_age
-        while self._streams:
-            first, (_, _, put_at, _) = next(iter(self._streams.items()))
-            if put_at > oldest:
-                return
-            self._drop(first)
+        for copies, drop in ((self._streams, self._drop), (self._taken, self._untake)):
+            while copies:
+                first, (_, _, put_at, _) = next(iter(copies.items()))
+                if put_at > oldest:
+                    break
+                drop(first)
 
     def _drop(self, stream_id: str) -> _Entry | None:
         entry = self._streams.pop(stream_id, None)

@@ -119,3 +119,28 @@ def test_a_copy_is_folded_once_whoever_asks(monkeypatch: pytest.MonkeyPatch) -> 
     read = list(copy)  # the same events, read anew: folded anew
     assert cache.state_of("s", read) == peeked and folds == [3, 3]
     assert cache.peek("s") is None  # taken: nothing left to peek at
+
+
+def test_copies_taken_and_never_put_back_stay_within_the_bounds() -> None:
+    """Issue 28 h: the copies handed out were kept beside the bound, by count only (1,024 of
+    any size). A decision taken elsewhere, or failed, never puts its copy back."""
+    cache = StreamCache(streams=100, max_bytes=10_000)
+    one = weight(stream(3, pad=1000))
+    for n in range(40):
+        cache.put(f"s{n}", stream(3, pad=1000, stream_id=f"s{n}"), finished=False)
+        assert cache.take(f"s{n}") is not None
+        assert cache.held[1] <= 10_000
+    streams, held = cache.held
+    assert streams == 10_000 // one and held == streams * one  # the newest ones, nothing more
+    cache.put("s39", stream(4, pad=1000, stream_id="s39"), finished=False)  # one comes back
+    assert cache.held[1] <= 10_000 and cache.take("s39") is not None
+
+
+def test_copies_taken_and_never_put_back_age_out() -> None:
+    now = [0.0]
+    cache = StreamCache(max_age=60, clock=lambda: now[0])
+    cache.put("s", stream(2), finished=False)
+    assert cache.take("s") is not None
+    now[0] = 61.0
+    cache.put("t", stream(1, stream_id="t"), finished=False)
+    assert cache.held[0] == 1
