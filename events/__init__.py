@@ -27,10 +27,12 @@ from .model import (
 )
 from .store import AppendResult, EventStore, ExpiredCall, OutboxEntry, OutboxMessage, Position
 from .task import (
+    MAX_TASK_ID_BYTES,
     Call,
     CallResult,
     Complete,
     InvalidTransition,
+    MessageTooLarge,
     Outcome,
     Pause,
     TaskState,
@@ -50,6 +52,7 @@ from .upcasting import UpcastError, Upcasters
 
 __all__ = [
     "GENESIS_HASH",
+    "MAX_TASK_ID_BYTES",
     "AppendResult",
     "Call",
     "CallResult",
@@ -63,6 +66,7 @@ __all__ = [
     "ExpiredCall",
     "IntegrityError",
     "InvalidTransition",
+    "MessageTooLarge",
     "NewEvent",
     "OutboxEntry",
     "OutboxMessage",

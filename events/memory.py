@@ -61,8 +61,7 @@ class InMemoryEventStore(EventStore):
         self._streams: dict[str, list[RecordedEvent]] = {}
         self._all: list[RecordedEvent] = []
         self._event_ids: dict[object, RecordedEvent] = {}
-        # outbox id -> (message, available at, deployment of the events that implied it)
-        self._outbox: dict[int, tuple[OutboxMessage, float, str | None]] = {}
+        self._outbox: dict[int, _OutboxRow] = {}
         self._next_outbox_id = 1
         self._clock = clock or time.monotonic
         self._wall_clock = wall_clock
@@ -117,13 +116,11 @@ class InMemoryEventStore(EventStore):
         self._follow_pending_calls(recorded)
         ids = []
         deployment = recorded[0].metadata.get("deployment")  # as PostgreSQL's append takes it
+        now = self._clock()
         for message in outbox:
             ids.append(self._next_outbox_id)
-            self._outbox[self._next_outbox_id] = (
-                message,
-                self._clock() + max(outbox_delay, message.delay),
-                deployment,
-            )
+            available_at = now + max(outbox_delay, message.delay)
+            self._outbox[self._next_outbox_id] = _OutboxRow(message, available_at, deployment, now)
             self._next_outbox_id += 1
         return AppendResult(
             version=recorded[-1].stream_version,
@@ -201,23 +198,52 @@ class InMemoryEventStore(EventStore):
     ) -> list[OutboxEntry]:
         now = self._clock()
         claimed: list[OutboxEntry] = []
-        for outbox_id, (message, available_at, owner) in sorted(self._outbox.items()):
+        for outbox_id, row in sorted(self._outbox.items()):
             if len(claimed) >= limit:
                 break
-            if available_at <= now and _relays(deployment, owner):
-                self._outbox[outbox_id] = (message, now + lease, owner)
+            if row.available_at <= now and _relays(deployment, row.deployment):
+                row.available_at = now + lease
                 # its delay is spent once it can be claimed, as PostgreSQL's row knows no delay
+                message = dataclasses.replace(copy.deepcopy(row.message), delay=0.0)
                 claimed.append(
-                    OutboxEntry(outbox_id, dataclasses.replace(copy.deepcopy(message), delay=0.0))
+                    OutboxEntry(outbox_id, message, row.refusals, max(0.0, now - row.created_at))
                 )
         return claimed
+
+    async def retry_outbox(
+        self, ids: Sequence[int], delay: float, *, refused: str | None = None
+    ) -> None:
+        now = self._clock()
+        for outbox_id in ids:
+            row = self._outbox.get(outbox_id)
+            if row is not None:
+                row.available_at = now + delay
+                if refused is not None:
+                    row.refusals += 1
+                    row.last_refusal = refused
 
     async def delete_outbox(self, ids: Sequence[int]) -> None:
         for outbox_id in ids:
             self._outbox.pop(outbox_id, None)
 
     async def outbox_size(self, *, deployment: str | None = None) -> int:
-        return sum(1 for _, _, owner in self._outbox.values() if _relays(deployment, owner))
+        return sum(1 for row in self._outbox.values() if _relays(deployment, row.deployment))
+
+    async def outbox_oldest(self, *, deployment: str | None = None) -> float | None:
+        now = self._clock()
+        created = [r.created_at for r in self._outbox.values() if _relays(deployment, r.deployment)]
+        return max(0.0, now - min(created)) if created else None
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _OutboxRow:
+    message: OutboxMessage
+    available_at: float
+    deployment: str | None
+    """The deployment of the events that implied it."""
+    created_at: float
+    refusals: int = 0
+    last_refusal: str | None = None
 
 
 def _relays(relay: str | None, row: str | None) -> bool:

@@ -195,7 +195,18 @@ _CLAIM_OUTBOX = text(
                    AND (CAST(:deployment AS text) IS NULL OR deployment IS NULL
                         OR deployment = :deployment)
                  ORDER BY id LIMIT :limit FOR UPDATE SKIP LOCKED)
-    RETURNING id, message_id, exchange, routing_key, properties::text, body
+    RETURNING id, message_id, exchange, routing_key, properties::text, body, refusals,
+              extract(epoch FROM now() - created_at)::float8
+    """
+)
+
+_RETRY_OUTBOX = text(
+    """
+    UPDATE outbox
+    SET available_at = now() + make_interval(secs => CAST(:delay AS double precision)),
+        refusals = refusals + CASE WHEN CAST(:refused AS text) IS NULL THEN 0 ELSE 1 END,
+        last_refusal = coalesce(CAST(:refused AS text), last_refusal)
+    WHERE id = ANY(CAST(:ids AS bigint[]))
     """
 )
 
@@ -220,6 +231,12 @@ _DELETE_OUTBOX = "DELETE FROM outbox WHERE id = ANY($1::bigint[])"
 _OUTBOX_SIZE = text(
     """
     SELECT count(*) FROM outbox
+    WHERE CAST(:deployment AS text) IS NULL OR deployment IS NULL OR deployment = :deployment
+    """
+)
+_OUTBOX_OLDEST = text(
+    """
+    SELECT extract(epoch FROM now() - min(created_at))::float8 FROM outbox
     WHERE CAST(:deployment AS text) IS NULL OR deployment IS NULL OR deployment = :deployment
     """
 )
@@ -594,9 +611,23 @@ class PostgresEventStore(EventStore):
                     properties=loads(row[4]),
                     body=bytes(row[5]),
                 ),
+                refusals=row[6],
+                age=max(0.0, row[7]),
             )
             for row in sorted(rows, key=lambda r: r[0])
         ]
+
+    async def retry_outbox(
+        self, ids: Sequence[int], delay: float, *, refused: str | None = None
+    ) -> None:
+        if not ids:
+            return
+        params = {"ids": list(ids), "delay": delay, "refused": refused}
+        try:
+            async with self.engine.connect() as connection:
+                await connection.execute(_RETRY_OUTBOX, params)
+        except Exception as error:
+            raise _translate(error) from error
 
     async def delete_outbox(self, ids: Sequence[int]) -> None:
         if not ids:
@@ -616,6 +647,14 @@ class PostgresEventStore(EventStore):
                 return int(found or 0)
         except Exception as error:
             raise _translate(error) from error
+
+    async def outbox_oldest(self, *, deployment: str | None = None) -> float | None:
+        try:
+            async with self.engine.connect() as connection:
+                found = await connection.scalar(_OUTBOX_OLDEST, {"deployment": deployment})
+        except Exception as error:
+            raise _translate(error) from error
+        return None if found is None else max(0.0, float(found))
 
     async def claim_expired_calls(
         self, limit: int = 100, lease: float = 30.0, *, deployment: str | None = None

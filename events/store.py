@@ -26,7 +26,8 @@ Contract (the shared suite in ``tests/contract/test_event_store.py`` runs it aga
 * The outbox: rows become visible to ``claim_outbox`` after ``outbox_delay`` seconds, or their
   message's own ``delay`` when that is longer (the writer publishes them itself first, and a
   claimed message's delay is spent); a claim leases rows for ``lease`` seconds so two relays
-  do not publish the same row at once; ``delete_outbox`` forgets published rows.
+  do not publish the same row at once; ``retry_outbox`` gives leases back early, counting the
+  broker's refusals of each row; ``delete_outbox`` forgets published rows.
   Each row belongs to the deployment (queue prefix) named by its events' metadata
   ``deployment``, as a pending call does: ``claim_outbox(deployment=d)`` and
   ``outbox_size(deployment=d)`` see only the rows of ``d`` and those of no deployment (written
@@ -84,6 +85,10 @@ class OutboxMessage:
 class OutboxEntry:
     id: int
     message: OutboxMessage
+    refusals: int = 0
+    """Times the broker refused it so far (``retry_outbox(..., refused=...)``)."""
+    age: float = 0.0
+    """Seconds since it was written, by the store's clock."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,12 +155,24 @@ class EventStore(abc.ABC):
         ``deployment`` (and of none) when it is given."""
 
     @abc.abstractmethod
+    async def retry_outbox(
+        self, ids: Sequence[int], delay: float, *, refused: str | None = None
+    ) -> None:
+        """Give the rows' leases back early: they are claimable again after ``delay`` seconds.
+        With ``refused`` (why the broker refused them), each counts one more refusal."""
+
+    @abc.abstractmethod
     async def delete_outbox(self, ids: Sequence[int]) -> None: ...
 
     @abc.abstractmethod
     async def outbox_size(self, *, deployment: str | None = None) -> int:
         """Rows not yet deleted; only those ``claim_outbox(deployment=…)`` could take when
         ``deployment`` is given."""
+
+    @abc.abstractmethod
+    async def outbox_oldest(self, *, deployment: str | None = None) -> float | None:
+        """Seconds since the oldest row not yet deleted was written (None: there is none); of
+        the rows ``outbox_size`` counts."""
 
     @abc.abstractmethod
     async def claim_expired_calls(

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from .codec import canonical, unstorable
+from .codec import canonical, dumps, unstorable
 from .model import (
     CancelledCall,
     DeadlineExtended,
@@ -45,10 +45,13 @@ from .model import (
 )
 
 __all__ = [
+    "MAX_IGNORED_REPLIES",
+    "MAX_TASK_ID_BYTES",
     "Call",
     "CallResult",
     "Complete",
     "InvalidTransition",
+    "MessageTooLarge",
     "Outcome",
     "Pause",
     "TaskState",
@@ -61,12 +64,24 @@ __all__ = [
     "decide_timeout",
     "event_id",
     "fold",
+    "over_ignored_limit",
     "parse_subtask_id",
     "subtask_id",
 ]
 
 MAX_AGENT_NAME = 200
 """Longest agent name a call may name (its queue name is at most 255 bytes with the prefix)."""
+MAX_IGNORED_REPLIES = 100
+"""Replies a task's stream records as ignored (``ReplyIgnored``: duplicates, late replies,
+replies to calls it never made), at most. Anyone who may publish to an agent's reply queue can
+send them, naming any task: past this many, they are no longer recorded (the worker
+dead-letters them instead), so that no publisher can grow a stream, which is read and folded
+whole, without bound."""
+MAX_TASK_ID_BYTES = 200
+"""Longest task id (UTF-8 bytes). It travels in AMQP short strings of at most 255 bytes, and
+Waystation derives ids of up to 55 bytes more from it (``:result``, ``:resume:<pause>``, a
+call's ``:<pause>:<index>`` and its ``:cancel``). A call's sub-task id is its callee's task
+id, so a call tree grows it at every level: a pause whose sub-task ids would be longer fails."""
 
 _EVENT_NAMESPACE = uuid.UUID("6f1f8a52-3c7e-4f43-9a57-7f3b2c1d0e11")
 _NAMESPACE_BYTES = _EVENT_NAMESPACE.bytes
@@ -82,6 +97,10 @@ class InvalidTransition(Exception):
 
 class StateTooLarge(InvalidTransition):
     """A pause's update would make the agent's state larger than the limit it may have."""
+
+
+class MessageTooLarge(InvalidTransition):
+    """A result or a call's input is larger than a message may be: it could never be sent."""
 
 
 # ---- what a handler returns ------------------------------------------------------------------
@@ -212,6 +231,23 @@ def _require_storable(value: Any, what: str) -> None:
         raise InvalidTransition(f"{what} cannot be stored: {problem}")
 
 
+def _require_sendable(value: Any, what: str, limit: int | None) -> None:
+    """A value a message carries (a result, a call's input) fits in one: a larger one could
+    never be sent, whatever retries did."""
+    if limit is None:
+        return
+    try:
+        size = len(dumps(value))
+    except (TypeError, ValueError):
+        return  # not JSON at all: _require_storable says so
+    if size > limit:
+        raise MessageTooLarge(
+            f"{what} is {size} bytes of JSON, more than the {limit} a message may carry "
+            "(WAYSTATION_MAX_MESSAGE_BYTES); keep large outputs outside the messages and pass "
+            "a pointer to them"
+        )
+
+
 @dataclass(frozen=True)
 class TaskState:
     """What the log says about one task."""
@@ -243,6 +279,8 @@ class TaskState:
     unreadable: tuple[str, ...] = ()
     """Events this code cannot read (an unknown type, or a schema version newer than it knows,
     as in a rolling upgrade), described. A state with any is incomplete: decide nothing on it."""
+    ignored_replies: int = 0
+    """How many ``ReplyIgnored`` the stream holds (at most :data:`MAX_IGNORED_REPLIES`)."""
     call_agents: Mapping[str, str] = field(
         default_factory=lambda: MappingProxyType({}), compare=False, repr=False
     )
@@ -296,6 +334,7 @@ def fold(
         error: Any = None
         resumed_at: float | None = None
         unreadable: list[str] = []
+        ignored = 0
     else:
         version, last_hash, status = start.version, start.last_hash, start.status
         agent, input_, reply_to = start.agent, start.input, start.reply_to
@@ -306,6 +345,7 @@ def fold(
         results = dict(start.results)
         result, error, resumed_at = start.result, start.error, start.resumed_at
         unreadable = list(start.unreadable)
+        ignored = start.ignored_replies
     for recorded in events:
         version = recorded.stream_version
         last_hash = recorded.hash
@@ -326,6 +366,8 @@ def fold(
             agents.update((c.subtask_id, c.agent) for c in event.calls)
         elif isinstance(event, SubtaskClaimed):
             claims[event.subtask_id] = event.message_id
+        elif isinstance(event, ReplyIgnored):
+            ignored += 1
         elif isinstance(event, ResultRecorded):
             results[event.subtask_id] = CallResult(
                 subtask_id=event.subtask_id,
@@ -372,6 +414,7 @@ def fold(
         root_id=root_id,
         resumed_at=resumed_at,
         unreadable=tuple(unreadable),
+        ignored_replies=ignored,
         call_agents=MappingProxyType(agents),
     )
 
@@ -389,6 +432,7 @@ def decide_outcome(
     record_completion: bool = False,
     max_timeout: float | None = None,
     max_state_bytes: int | None = None,
+    max_value_bytes: int | None = None,
 ) -> list[DomainEvent]:
     """The events that record a handler's outcome.
 
@@ -396,10 +440,13 @@ def decide_outcome(
     ``record_completion`` (auditing of all tasks) is on. A resumed task records its next pause or
     its completion. Deadlines are measured from ``now``, the moment of dispatch. A pause whose
     state, once its update is applied, is larger than ``max_state_bytes`` (as canonical JSON) is
-    refused with :class:`StateTooLarge`.
+    refused with :class:`StateTooLarge`; a result or a call input larger than
+    ``max_value_bytes`` (as JSON) with :class:`MessageTooLarge`, and a pause whose sub-task ids
+    would be longer than :data:`MAX_TASK_ID_BYTES` with :class:`InvalidTransition`.
     """
     if isinstance(outcome, Complete):
         _require_storable(outcome.result, "the result")
+        _require_sendable(outcome.result, "the result", max_value_bytes)
     if state.status == "new":
         if start is None:
             raise InvalidTransition("a new task needs its TaskStarted")
@@ -419,6 +466,7 @@ def decide_outcome(
         default_timeout=default_timeout,
         max_timeout=max_timeout,
         max_state_bytes=max_state_bytes,
+        max_value_bytes=max_value_bytes,
     )
     return [*first, pause]
 
@@ -431,10 +479,18 @@ def _pause(
     default_timeout: float,
     max_timeout: float | None = None,
     max_state_bytes: int | None = None,
+    max_value_bytes: int | None = None,
 ) -> TaskPaused:
     if not outcome.calls:
         raise InvalidTransition("a pause needs at least one call")
     number = state.pause + 1
+    longest = subtask_id(state.task_id, number, len(outcome.calls) - 1)
+    if len(longest.encode()) > MAX_TASK_ID_BYTES:
+        raise InvalidTransition(
+            f"its calls' sub-task ids (such as {longest[-60:]!r}) would be "
+            f"{len(longest.encode())} bytes, more than the {MAX_TASK_ID_BYTES} a task id may "
+            "have: the call tree is too deep, or the task id too long, to call peers"
+        )
     calls = []
     for index, call in enumerate(outcome.calls):
         if not isinstance(call, Call) or not isinstance(call.agent, str) or not call.agent:
@@ -442,6 +498,7 @@ def _pause(
         if len(call.agent) > MAX_AGENT_NAME or "\x00" in call.agent:
             raise InvalidTransition(f"call {index} names no agent a queue can have")
         _require_storable(call.input, f"the input of call {index}")
+        _require_sendable(call.input, f"the input of call {index}", max_value_bytes)
         timeout = call.timeout if call.timeout is not None else default_timeout
         if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
             raise InvalidTransition(
@@ -489,8 +546,31 @@ def decide_reply(
     completes the pause also resumes the task. Anything else changes nothing and is kept for audit
     only: a duplicate, a late reply (after the task finished, or after its call's deadline claimed
     it), a reply for a call the task never made. The redelivery of the very message that made a
-    claim returns no events at all.
+    claim returns no events at all, and so does a reply that would be ignored once the stream
+    holds :data:`MAX_IGNORED_REPLIES` of them (:func:`over_ignored_limit` tells the two apart).
     """
+    events = _decide_reply(state, subtask, outcome, value, error, message_id)
+    ignored = bool(events) and isinstance(events[0], ReplyIgnored)
+    if ignored and state.ignored_replies >= MAX_IGNORED_REPLIES:
+        return []
+    return events
+
+
+def over_ignored_limit(state: TaskState, subtask: str, message_id: str | None) -> bool:
+    """Whether a reply for ``subtask`` that :func:`decide_reply` gave no events for was refused
+    because the stream holds as many ignored replies as it may (not a redelivery of the claim)."""
+    claimed_by_it = message_id is not None and state.claims.get(subtask) == message_id
+    return state.ignored_replies >= MAX_IGNORED_REPLIES and not claimed_by_it
+
+
+def _decide_reply(
+    state: TaskState,
+    subtask: str,
+    outcome: Literal["ok", "error", "timeout"],
+    value: Any,
+    error: Any,
+    message_id: str | None,
+) -> list[DomainEvent]:
     if subtask in state.claims:
         if message_id is not None and state.claims[subtask] == message_id:
             return []

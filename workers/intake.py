@@ -25,6 +25,20 @@ reason. Reasons (the ``x-waystation-reason`` header of the dead letter):
 ``delivery-limit``          delivered more times than the delivery limit without being settled
                             (its workers died holding it); a task's publisher is told
 ``unroutable``              a result whose ``reply_to`` queue no longer exists (kept here)
+``undecodable-metadata``    properties or headers that could not be decoded (a short string
+                            that is not UTF-8, a header table nested too deep, lengths that
+                            lie): the detail names each, ``x-waystation-raw-properties`` keeps
+                            them as they came
+``ignored-replies-limit``   a reply that would be recorded as ignored (a duplicate, a late
+                            one, one for a call never made) to a task whose stream already
+                            holds ``MAX_IGNORED_REPLIES`` (100) of them
+``id-too-long``             a task whose id is longer than ``MAX_TASK_ID_BYTES`` (200 bytes):
+                            the ids Waystation derives from it could not be sent; its
+                            publisher is told
+``too-large``, ``unencodable``, ``refused``  a message Waystation published that the broker will
+                            not take (``workers.flows.undeliverable``): over its size limit,
+                            not encodable in AMQP, or refused (a full queue) for
+                            ``WAYSTATION_REFUSED_RETRY_SECONDS``
 ==========================  ==============================================================
 """
 
@@ -38,6 +52,7 @@ import orjson
 from events.codec import unstorable
 
 from .broker import Delivery
+from .brokers.metadata import HEADER_UNDECODABLE
 from .wire import HEADER_ROOT, HEADER_TRACE, HEADER_TRACEPARENT
 
 __all__ = ["Rejection", "inspect"]
@@ -58,6 +73,9 @@ def _header_size(headers: Any) -> int:
 
 def inspect(delivery: Delivery, *, max_body: int, max_headers: int) -> Any | Rejection:
     """The JSON body of ``delivery``, or why it cannot be used."""
+    undecodable = delivery.headers.get(HEADER_UNDECODABLE)
+    if undecodable is not None:
+        return Rejection("undecodable-metadata", f"could not decode {undecodable}"[:1000])
     size = len(delivery.body)
     if size > max_body:
         return Rejection("too-large", f"body of {size} bytes is over the {max_body}-byte limit")

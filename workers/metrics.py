@@ -116,6 +116,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.publish_refusals = Counter(
+            "waystation_publish_refusals",
+            "Publishes of committed messages the broker refused (they are tried again with "
+            "backoff), by reason.",
+            ["reason"],
+            registry=r,
+        )
         self.outbox_relayed = Counter(
             "waystation_outbox_relayed",
             "Messages the outbox relay published for a writer that did not.",
@@ -149,6 +156,12 @@ class Metrics:
         self.outbox_backlog = Gauge(
             "waystation_outbox_backlog",
             "Outbox rows not yet published and forgotten (read at scrape time).",
+            registry=r,
+        )
+        self.outbox_oldest = Gauge(
+            "waystation_outbox_oldest_seconds",
+            "Age of the oldest outbox row not yet published and forgotten; 0 when there is "
+            "none (read at scrape time).",
             registry=r,
         )
         self.projection_lag_events = Gauge(
@@ -278,9 +291,10 @@ class HttpServer:
 async def database_gauges(
     metrics: Metrics, store: PostgresEventStore, *, deployment: str | None = None
 ) -> None:
-    """Read the outbox backlog (of ``deployment``: the rows its relays may publish) and the
-    projections' lag into their gauges."""
+    """Read the outbox backlog and its oldest row's age (of ``deployment``: the rows its relays
+    may publish) and the projections' lag into their gauges."""
     metrics.outbox_backlog.set(await store.outbox_size(deployment=deployment))
+    metrics.outbox_oldest.set(await store.outbox_oldest(deployment=deployment) or 0.0)
     await projection_gauges(metrics, store.engine)
 
 

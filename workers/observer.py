@@ -143,6 +143,10 @@ class Observer:
         self.stats.count("slot_leases_lost", count)
         self.metrics.leases_lost.inc(count)
 
+    def refused(self, reason: str) -> None:
+        self.stats.count("publish_refusals")
+        self.metrics.publish_refusals.labels(reason).inc()
+
     def relayed(self, count: int) -> None:
         self.stats.count("outbox_relayed", count)
         self.metrics.outbox_relayed.inc(count)

@@ -6,26 +6,39 @@ confirms: the delivery that caused them is acked meanwhile, since the rows alrea
 Confirmed rows are forgotten in batches. Rows whose writer died, or whose publish failed, become
 visible to every worker's relay after ``outbox_delay`` and are published from there; messages
 carry deterministic ids, so a receiver recognises the copy it may get twice.
+
+Each row's fate is its own (the broker can say no, ``workers.broker``): a row whose connection
+went is tried again soon; one the broker refused (a full queue that rejects publishes) is tried
+again with backoff, counting its refusals in the row; one that can never pass (no queue takes
+it, it is too large, it cannot be encoded), or that was refused for ``refused_for`` seconds, is
+handed to ``on_undeliverable`` (``workers.flows.undeliverable``: dead-lettered with its reason,
+its task answered) and then forgotten. No row ever holds up another.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 
 from events import EventStore, OutboxEntry, OutboxMessage
 
-from .broker import Broker, Unroutable
+from .broker import Broker, BrokerError, PublishRefused, Unroutable, Unsendable
 from .observer import Observer
+from .policies import Backoff
 
-__all__ = ["OutboxPublisher"]
+__all__ = ["REFUSED_BACKOFF", "OutboxPublisher"]
 
 log = logging.getLogger(__name__)
 
 RELAY_BATCH = 100
 RELAY_LEASE = 30.0
 FORGET_INTERVAL = 0.2
+REFUSED_BACKOFF = Backoff(initial=1.0, factor=2.0, maximum=60.0)
+"""The wait before a refused row is tried again, by its number of refusals."""
+
+Undeliverable = Callable[[OutboxMessage, BrokerError], Awaitable[None]]
 
 
 class OutboxPublisher:
@@ -40,17 +53,20 @@ class OutboxPublisher:
         *,
         poll_interval: float,
         deployment: str | None = None,
-        on_unroutable: Callable[[OutboxMessage], Awaitable[bool]] | None = None,
+        on_undeliverable: Undeliverable | None = None,
+        refused_for: float = 600.0,
     ) -> None:
         self.broker = broker
         self.store = store
         self.observer = observer
         self.poll_interval = poll_interval
         self.deployment = deployment
-        """The relay takes only rows its deployment (queue prefix) wrote (defect g)."""
-        self.on_unroutable = on_unroutable
-        """Acts on a committed message no queue takes; True once that is done (durably), and
-        only then is its row forgotten (else the relay meets it again later)."""
+        """The relay takes only rows its deployment (queue prefix) wrote."""
+        self.on_undeliverable = on_undeliverable
+        """Acts on a committed message the broker will not take (dead-letters it, answers its
+        task); its row is forgotten once it returned, else a relay meets it again later."""
+        self.refused_for = refused_for
+        """Seconds a row the broker keeps refusing is tried before it is undeliverable."""
         self._publishing: set[asyncio.Task[None]] = set()
         self._published: list[int] = []
         self._have_published = asyncio.Event()
@@ -69,40 +85,12 @@ class OutboxPublisher:
     async def _publish_committed(
         self, outbox_ids: Sequence[int], messages: Sequence[OutboxMessage]
     ) -> None:
+        rows = [OutboxEntry(i, m) for i, m in zip(outbox_ids, messages, strict=True)]
         try:
             errors = await self.broker.publish_all(messages)
+            await self._after(rows, errors, relaying=False)
         except Exception as failure:  # the relay publishes them after outbox_delay
             log.warning("publishing after a commit failed (%s); the outbox relay will", failure)
-            return
-        for outbox_id, message, error in zip(outbox_ids, messages, errors, strict=True):
-            if error is None:
-                self._forget(outbox_id)
-            elif isinstance(error, Unroutable):
-                if await self._unroutable(message):
-                    self._forget(outbox_id)
-            else:
-                log.warning(
-                    "publishing %s failed (%s); the outbox relay will retry",
-                    message.message_id,
-                    error,
-                )
-
-    def _forget(self, outbox_id: int) -> None:
-        self._published.append(outbox_id)
-        self._have_published.set()
-
-    async def _unroutable(self, message: OutboxMessage) -> bool:
-        """No queue takes ``message``: publishing it again cannot help. Say so, and let the
-        worker act; True once it has (the row may then be forgotten)."""
-        log.error("message %s to %r is unroutable", message.message_id, message.routing_key)
-        self.observer.count("unroutable")
-        if self.on_unroutable is None:
-            return True
-        try:
-            return await self.on_unroutable(message)
-        except Exception as error:
-            log.warning("message %s: could not act on it yet (%s)", message.message_id, error)
-            return False
 
     @property
     def pending(self) -> int:
@@ -131,40 +119,81 @@ class OutboxPublisher:
 
     async def relay(self) -> None:
         """Publish outbox rows whose writer did not (it died, or its publish failed)."""
-        unsent: list[OutboxEntry] = []  # publish failed; still leased to us: retry them here
         while True:
             try:
-                entries = unsent or await self.store.claim_outbox(
+                entries = await self.store.claim_outbox(
                     limit=RELAY_BATCH, lease=RELAY_LEASE, deployment=self.deployment
                 )
-                unsent = []
                 if entries:
                     errors = await self.broker.publish_all([e.message for e in entries])
-                    done = []
-                    for entry, error in zip(entries, errors, strict=True):
-                        if error is None:
-                            done.append(entry.id)
-                        elif isinstance(error, Unroutable):
-                            if await self._unroutable(entry.message):
-                                done.append(entry.id)
-                            # else: its lease runs out, and a relay meets it again
-                        else:
-                            unsent.append(entry)
-                    if unsent:
-                        log.warning("outbox relay: %d not published yet; retrying", len(unsent))
-                    # forgotten like a commit's own rows: a delete that fails is tried again,
-                    # instead of the rows going out once more when their lease ends
-                    for outbox_id in done:
-                        self._forget(outbox_id)
-                    self.observer.relayed(len(done))
-                    log.info("outbox relay published %d message(s)", len(done))
-                    if len(entries) == RELAY_BATCH and not unsent:
+                    published = await self._after(entries, errors, relaying=True)
+                    self.observer.relayed(published)
+                    log.info("outbox relay published %d message(s)", published)
+                    if len(entries) == RELAY_BATCH:
                         continue
             except asyncio.CancelledError:
                 raise
             except Exception as error:
                 log.warning("outbox relay: %s", error)
             await asyncio.sleep(self.poll_interval)
+
+    async def _after(
+        self, rows: Sequence[OutboxEntry], errors: Sequence[BrokerError | None], *, relaying: bool
+    ) -> int:
+        """Each row's fate once its publish is done (see the module); how many were published.
+        ``relaying``: the rows are the relay's (leased); else a commit's own, which the relay
+        takes after ``outbox_delay`` when they are not forgotten."""
+        published = 0
+        again: list[int] = []
+        refused: defaultdict[tuple[float, str], list[int]] = defaultdict(list)
+        for row, error in zip(rows, errors, strict=True):
+            if error is None:
+                published += 1
+                self._forget(row.id)
+            elif isinstance(error, (Unroutable, Unsendable)):
+                await self._undeliverable(row, error)
+            elif isinstance(error, PublishRefused):
+                self.observer.refused(error.reason)
+                if row.age >= self.refused_for:
+                    await self._undeliverable(row, error)
+                else:
+                    delay = REFUSED_BACKOFF.delay(row.refusals + 1)
+                    log.warning(
+                        "outbox: the broker refused %s (%s); trying again in %.0fs",
+                        row.message.message_id,
+                        error.detail,
+                        delay,
+                    )
+                    refused[(delay, error.detail[:300])].append(row.id)
+            elif relaying:
+                again.append(row.id)  # its connection went: soon, not after its lease
+        for (delay, detail), ids in refused.items():
+            await self.store.retry_outbox(ids, delay, refused=detail)
+        if again:
+            log.warning("outbox relay: %d not published yet; trying again", len(again))
+            await self.store.retry_outbox(again, self.poll_interval)
+        return published
+
+    async def _undeliverable(self, row: OutboxEntry, error: BrokerError) -> None:
+        """The broker will not take ``row``'s message: act on it, then forget the row (if acting
+        failed, its lease runs out and a relay meets it again)."""
+        message = row.message
+        log.error(
+            "message %s to %r is undeliverable: %s", message.message_id, message.routing_key, error
+        )
+        if isinstance(error, Unroutable):
+            self.observer.count("unroutable")
+        if self.on_undeliverable is not None:
+            try:
+                await self.on_undeliverable(message, error)
+            except Exception as failure:
+                log.warning("message %s: could not act on it yet (%s)", message.message_id, failure)
+                return
+        self._forget(row.id)
+
+    def _forget(self, outbox_id: int) -> None:
+        self._published.append(outbox_id)
+        self._have_published.set()
 
     async def forget_published(self) -> None:
         """Delete confirmed rows, a batch at a time (waking only when there are some)."""

@@ -31,11 +31,12 @@ from events.postgres import PostgresEventStore
 
 from . import tracing
 from .agent import AgentSpec, App
-from .broker import Broker, BrokerUnavailable, Delivery
+from .broker import Broker, BrokerError, BrokerUnavailable, Delivery
 from .brokers.amqp import AmqpBroker
 from .faults import FaultPlan
 from .flows import Flows, dispatch, kind_label
-from .flows.reply import handle_unstorable_reply, record_unroutable
+from .flows.reply import handle_unstorable_reply
+from .flows.undeliverable import handle_undeliverable
 from .intake import Rejection, inspect
 from .limits import PoolLimits
 from .logs import log_context
@@ -49,6 +50,7 @@ from .settle import Disposition, Settled, Settler, attempt_of, dead, requeue
 from .slots import SlotLeases
 from .slots.postgres import PostgresSlotLeases
 from .sweeper import DeadlineSweeper
+from .topology import amqp_user_of
 from .wire import TYPE_RESULT, TYPE_RESUME, TYPE_TASK, Names, trace_id_of
 
 __all__ = ["Worker", "WorkerStats"]
@@ -103,7 +105,8 @@ class Worker:
             self.observer,
             poll_interval=settings.outbox_poll_interval,
             deployment=self.names.prefix,
-            on_unroutable=self._unroutable,
+            on_undeliverable=self._undeliverable,
+            refused_for=settings.refused_retry_seconds,
         )
         slots = self._shared_slots(slots)
         self.routes = ReplyRoutes(
@@ -129,7 +132,13 @@ class Worker:
             gather_limit=settings.concurrency,  # each queue's prefetch
             reply_to=self.routes.reply_to,
         )
-        self.settler = Settler(self.broker, self.names, self.observer, settings.worker_id)
+        self.settler = Settler(
+            self.broker,
+            self.names,
+            self.observer,
+            settings.worker_id,
+            amqp_user=amqp_user_of(settings.amqp_url),
+        )
         self.limits = self._pool_limits(slots)
         # plain `def` handlers: at most as many at once as the worker takes messages per queue
         self.threads = ThreadPoolExecutor(
@@ -308,21 +317,14 @@ class Worker:
             },
         )
 
-    async def _unroutable(self, message: OutboxMessage) -> bool:
-        """A committed message no queue takes: a peer request fails its call at once; any other
-        (a result whose publisher is gone) is kept as a dead letter. True once done."""
-        properties = message.properties
-        subtask = properties.get("correlation_id")
-        if properties.get("type") == TYPE_TASK and subtask == message.message_id and subtask:
-            task_id, _, _ = parse_subtask_id(subtask)
-            await record_unroutable(self.flows, task_id, subtask, message.routing_key)
-        else:
-            await self.settler.keep_unroutable(message)
-        return True
+    async def _undeliverable(self, message: OutboxMessage, error: BrokerError) -> None:
+        """A committed message the broker will not take (``workers.flows.undeliverable``)."""
+        await handle_undeliverable(self.flows, message, error)
 
     # ---- every delivery ----------------------------------------------------------------------
 
     async def _on_delivery(self, delivery: Delivery, spec: AgentSpec, kind: str) -> None:
+        delivery = self.settler.received(delivery)
         self._inflight += 1
         self._idle.clear()
         started = time.perf_counter()

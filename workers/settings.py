@@ -77,6 +77,11 @@ class Settings(BaseSettings):
     outbox_delay: float = Field(default=5.0, gt=0)
     """Seconds before the outbox relay republishes a message its writer has not published."""
     outbox_poll_interval: float = Field(default=1.0, gt=0)
+    refused_retry_seconds: float = Field(default=600.0, ge=0)
+    """How long a message the broker keeps refusing (a full queue with ``x-overflow:
+    reject-publish``, a nack) is tried again, with backoff, before it is dead-lettered as
+    ``refused`` and its task answered (s). A message that can never pass (too large, not
+    encodable, no queue) is dead-lettered at once."""
     projection_batch_size: int = Field(default=1000, ge=1)
     """Events a projection runner applies per transaction."""
     projection_poll_interval: float = Field(default=1.0, gt=0)

@@ -16,11 +16,18 @@ effect has committed (G1).
   ``workers.limits``) is a copy sent back the same way, after its delay, carrying how often it
   waited (``x-waystation-waits``) and its failed runs unchanged: waiting is not an attempt.
 
-When a copy cannot be published the delivery is requeued instead, so nothing is lost.
+When a copy cannot be published the delivery is requeued instead, so nothing is lost. A copy
+carries the delivery's headers made sendable (``workers.brokers.metadata.sendable``), and its
+publisher's AMQP user (``x-waystation-user``); whatever goes wrong while settling, the delivery is
+settled (requeued at worst), never left holding its place in the prefetch.
+
+Answers to publishers (``Settler.answer``) go out directly, not through the outbox: one the
+broker will not take is kept as a dead letter with its reason.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
 import logging
@@ -30,8 +37,18 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from events import OutboxMessage
+from events.codec import loads
 
-from .broker import Broker, BrokerError, Delivery, Unroutable
+from .broker import (
+    Broker,
+    BrokerError,
+    BrokerUnavailable,
+    Delivery,
+    PublishRefused,
+    Unroutable,
+    Unsendable,
+)
+from .brokers.metadata import sendable
 from .intake import Rejection
 from .observer import Observer
 from .wire import (
@@ -39,9 +56,13 @@ from .wire import (
     HEADER_DETAIL,
     HEADER_QUEUE,
     HEADER_REASON,
+    HEADER_USER,
     HEADER_WAITS,
+    MAX_ID_BYTES,
+    TYPE_RESULT,
     Names,
     ResultEnvelope,
+    derived_id,
     result_message,
 )
 
@@ -61,6 +82,14 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+HEADER_WORKER = "x-waystation-worker"
+"""On a dead letter: the worker that dead-lettered it."""
+CHANNEL_RETURN_WAIT = 10.0
+"""Seconds an answer waits for the publishing channel to come back (the connection up)."""
+ANSWER_RETRIES = (0.2, 0.5, 1.0)
+"""Seconds between the tries of an answer the broker refuses, before it is kept as a dead
+letter (``Settler.answer_or_keep``)."""
 
 
 class Disposition(enum.Enum):
@@ -145,9 +174,19 @@ def sent_again(delivery: Delivery) -> bool:
 
 
 def _copy(
-    delivery: Delivery, routing_key: str, headers: dict[str, Any], *, exchange: str
+    delivery: Delivery,
+    routing_key: str,
+    headers: dict[str, Any],
+    *,
+    exchange: str,
+    user_id: str | None = None,
 ) -> OutboxMessage:
-    """A copy of ``delivery`` to publish again, with these headers."""
+    """A copy of ``delivery`` to publish again, with these headers made sendable (a value the
+    publisher's library wrote that the worker's cannot, such as a long string that is not UTF-8,
+    must not keep the delivery from being settled) and its publisher's user among them."""
+    headers = sendable(headers)
+    if delivery.user_id:
+        headers[HEADER_USER] = delivery.user_id
     return OutboxMessage(
         message_id=delivery.message_id or "",
         routing_key=routing_key,
@@ -158,49 +197,185 @@ def _copy(
             "reply_to": delivery.reply_to,
             "content_type": delivery.content_type,
             "headers": headers,
+            "user_id": user_id,
         },
         exchange=exchange,
     )
 
 
-class Settler:
-    """Settles deliveries through the broker port, and counts what it did."""
+def _short_enough(message: OutboxMessage) -> OutboxMessage:
+    """``message`` with each property too long for AMQP moved into a header of its own (its
+    message id replaced by a derived one): a dead letter must be sendable, whatever made its
+    message unsendable."""
+    headers = sendable(message.properties.get("headers") or {})
+    properties = dict(message.properties)
+    for name in ("correlation_id", "reply_to", "type", "content_type"):
+        value = properties.get(name)
+        if isinstance(value, str) and len(value.encode()) > MAX_ID_BYTES:
+            headers[f"x-waystation-{name.replace('_', '-')}"] = value
+            properties[name] = None
+    message_id = message.message_id
+    if len(message_id.encode()) > MAX_ID_BYTES:
+        headers["x-waystation-message-id"] = message_id
+        message_id = derived_id(message_id, ":dead")
+    return replace(message, message_id=message_id, properties={**properties, "headers": headers})
 
-    def __init__(self, broker: Broker, names: Names, observer: Observer, worker_id: str) -> None:
+
+class Settler:
+    """Settles deliveries through the broker port, and counts what it did.
+
+    ``amqp_user``: the AMQP user the workers connect as. A message whose (broker-checked)
+    ``user_id`` is that user was published by a worker: only on such a copy is the publisher
+    named in ``x-waystation-user`` believed (:meth:`received`)."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        names: Names,
+        observer: Observer,
+        worker_id: str,
+        *,
+        amqp_user: str | None = None,
+    ) -> None:
         self.broker = broker
         self.names = names
         self.observer = observer
         self.worker_id = worker_id
+        self.amqp_user = amqp_user
+
+    def received(self, delivery: Delivery) -> Delivery:
+        """``delivery`` as its flow sees it: a copy a worker sent back names the original
+        publisher's AMQP user as its ``user_id`` (the actor its events record)."""
+        user = delivery.headers.get(HEADER_USER)
+        if user is None or delivery.user_id is None or delivery.user_id != self.amqp_user:
+            return delivery
+        return replace(delivery, user_id=str(user))
+
+    # ---- answers ------------------------------------------------------------------------------
 
     async def answer(self, message: OutboxMessage) -> None:
-        """Publish an answer (a result, a cancel's status) to its ``reply_to`` queue. When that
-        queue is gone (its publisher left), the answer is kept as a dead letter, ``unroutable``:
-        retrying cannot help, and re-running the work that produced it would only repeat it."""
-        try:
-            await self.broker.publish(message)
-        except Unroutable:
-            await self.keep_unroutable(message)
+        """Publish an answer (a result, a cancel's status) to its ``reply_to`` queue.
 
-    async def keep_unroutable(self, message: OutboxMessage) -> None:
-        """Dead-letter ``message``, which no queue takes, with the reason ``unroutable``."""
+        What cannot pass is kept as a dead letter: when that queue is gone (its publisher left:
+        ``unroutable``; retrying cannot help, and re-running the work that produced it would only
+        repeat it), or when the answer can never be sent as it is (``too-large``,
+        ``unencodable``; its publisher then gets an error result saying so, when that one can
+        be sent). A refusal that may pass later (:class:`PublishRefused`, a full queue) is
+        raised: the caller decides (:meth:`answer_or_keep`)."""
+        try:
+            await self._publish(message)
+        except (Unroutable, Unsendable) as error:
+            await self.keep_answer(message, error)
+
+    async def _publish(self, message: OutboxMessage) -> None:
+        """Publish ``message``, riding out the publishing channel coming back while the
+        connection stays up (RabbitMQ closes it when it refuses a message for its size, and
+        every publish under way on it fails with that): an answer lost to another message's
+        refusal must not make its handler run again."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CHANNEL_RETURN_WAIT
+        while True:
+            try:
+                await self.broker.publish(message)
+                return
+            except BrokerUnavailable:
+                if not self.broker.connected or loop.time() > deadline:
+                    raise
+            await asyncio.sleep(0.05)
+
+    async def keep_answer(self, message: OutboxMessage, error: BrokerError) -> None:
+        """Keep the answer ``message`` as a dead letter (:meth:`keep`); when it can never be
+        sent as it is, its publisher gets an error result saying so instead, if that one can
+        be sent (not to a queue that is gone or full)."""
+        await self.keep(message, error)
+        if isinstance(error, Unsendable):
+            await self._tell_unsendable(message, error)
+
+    async def answer_or_keep(self, message: OutboxMessage) -> None:
+        """:meth:`answer`; one the broker keeps refusing (a full queue) is tried again a few
+        times in place, then kept as a dead letter (``refused``)."""
+        for delay in ANSWER_RETRIES:
+            try:
+                await self.answer(message)
+                return
+            except Unsendable:  # (answer raises it only when even keeping it failed)
+                raise
+            except PublishRefused as error:
+                refused = error
+            await asyncio.sleep(delay)
+        await self.keep(message, refused)
+
+    async def _tell_unsendable(self, message: OutboxMessage, error: PublishRefused) -> None:
+        """The answer ``message`` can never be sent: its publisher gets an error result instead,
+        when that one can be (it is small; its queue may still refuse it)."""
+        if message.properties.get("type") != TYPE_RESULT:
+            return
+        try:
+            body = loads(message.body)
+            task_id = body.get("task_id") if isinstance(body, dict) else None
+        except ValueError:
+            task_id = None
+        envelope = ResultEnvelope(
+            "error",
+            error={"type": "undeliverable-result", "message": f"{error.reason}: {error.detail}"},
+            task_id=task_id if isinstance(task_id, str) else None,
+        )
+        instead = result_message(
+            str(task_id or message.message_id),
+            message.routing_key,
+            message.properties.get("correlation_id"),
+            envelope,
+        )
+        try:
+            await self._publish(replace(instead, message_id=message.message_id))
+        except BrokerError as failure:
+            log.warning("could not tell %r that its answer is undeliverable: %s", instead, failure)
+
+    async def keep(self, message: OutboxMessage, error: BrokerError) -> None:
+        """Dead-letter ``message``, which the broker will not take, with the reason of
+        ``error`` (``unroutable``, ``too-large``, ``unencodable``, ``refused``). The copy is made
+        sendable: its over-long properties move into headers, and a body the broker refuses for
+        its size is left out (``x-waystation-body-omitted``; the log holds what the message
+        said). Raises :class:`BrokerError` when even that could not be published."""
+        reason = _reason_of(error)
+        detail = (
+            f"no queue {message.routing_key!r} (its publisher is gone)"
+            if isinstance(error, Unroutable)
+            else str(error)
+        )
         log.warning(
-            "%s to %r: no such queue; dead-lettered", message.message_id, message.routing_key
+            "%s to %r: %s; dead-lettered (%s)",
+            message.message_id,
+            message.routing_key,
+            detail,
+            reason,
         )
-        self.observer.dead_letter("unroutable")
+        self.observer.dead_letter(reason)
+        kept = _short_enough(message)
         headers = {
-            **(message.properties.get("headers") or {}),
-            HEADER_REASON: "unroutable",
-            HEADER_DETAIL: f"no queue {message.routing_key!r} (its publisher is gone)",
+            **kept.properties["headers"],
+            HEADER_REASON: reason,
+            HEADER_DETAIL: detail[:1000],
             HEADER_QUEUE: message.routing_key,
-            "x-waystation-worker": self.worker_id,
+            HEADER_WORKER: self.worker_id,
         }
-        await self.broker.publish(
-            replace(
-                message,
-                exchange=self.names.dead_letter_exchange,
-                properties={**message.properties, "headers": headers},
-            )
+        letter = replace(
+            kept,
+            exchange=self.names.dead_letter_exchange,
+            properties={**kept.properties, "headers": headers},
+            delay=0.0,
         )
+        try:
+            await self._publish(letter)
+        except Unsendable as refused:
+            if refused.reason != "too-large":
+                raise
+            omitted = {**headers, "x-waystation-body-omitted": f"{len(message.body)} bytes"}
+            await self._publish(
+                replace(letter, body=b"", properties={**letter.properties, "headers": omitted})
+            )
+
+    # ---- settling -----------------------------------------------------------------------------
 
     async def settle(self, delivery: Delivery, settled: Settled) -> None:
         try:
@@ -227,6 +402,17 @@ class Settler:
                 error,
             )
             return
+        except Exception:
+            # never leave a delivery unsettled, holding its place in the prefetch
+            log.exception(
+                "settling message %s (%s) failed; requeueing it",
+                delivery.message_id,
+                settled.disposition.value,
+            )
+            self.observer.count("processing_errors")
+            with contextlib.suppress(BrokerError):
+                await self.broker.requeue(delivery)
+            return
         checkpoint = (
             time.perf_counter() - settled.checkpoint_started
             if settled.checkpoint_started is not None
@@ -248,7 +434,7 @@ class Settler:
             headers[HEADER_WAITS] = waits_of(delivery) + 1
         if settled.failed_runs or settled.disposition is Disposition.RETRY:
             headers[HEADER_ATTEMPTS] = settled.failed_runs
-        copy = _copy(delivery, delivery.queue, headers, exchange="")
+        copy = _copy(delivery, delivery.queue, headers, exchange="", user_id=self.amqp_user)
         delay = settled.delay
         try:
             if delay > 0:
@@ -282,12 +468,25 @@ class Settler:
                 HEADER_REASON: rejection.reason,
                 HEADER_DETAIL: rejection.detail[:1000],
                 HEADER_QUEUE: delivery.queue,
-                "x-waystation-worker": self.worker_id,
+                HEADER_WORKER: self.worker_id,
             }
         )
         copy = _copy(delivery, delivery.queue, headers, exchange=self.names.dead_letter_exchange)
         try:
-            await self.broker.publish(copy)
+            await self._publish(copy)
+        except Unsendable:
+            # what even a sendable copy cannot carry (a body over the broker's limit now):
+            # kept without it, saying so, rather than never settled
+            omitted = {**copy.properties["headers"], "x-waystation-body-omitted": "unsendable"}
+            try:
+                await self._publish(
+                    replace(copy, body=b"", properties={**copy.properties, "headers": omitted})
+                )
+            except BrokerError as error:
+                log.warning(
+                    "could not dead-letter %s (%s); requeueing it", delivery.message_id, error
+                )
+                return False
         except BrokerError as error:
             log.warning("could not dead-letter %s (%s); requeueing it", delivery.message_id, error)
             return False
@@ -301,3 +500,12 @@ class Settler:
                     result_message(task_id, delivery.reply_to, delivery.correlation_id, envelope)
                 )
         return True
+
+
+def _reason_of(error: BrokerError) -> str:
+    """The dead letter's reason for what the broker said."""
+    if isinstance(error, Unroutable):
+        return "unroutable"
+    if isinstance(error, PublishRefused):
+        return error.reason
+    return "unavailable"

@@ -28,6 +28,7 @@ from .settle import crash_limit
 from .wire import Names
 
 __all__ = [
+    "amqp_user_of",
     "apply_policy",
     "clear_policy",
     "declare",
@@ -96,6 +97,11 @@ async def _rabbitmqctl(*args: str) -> None:
 def vhost_of(amqp_url: str) -> str:
     """The virtual host an AMQP URL names (``/`` when it names none)."""
     return URL(amqp_url).path.removeprefix("/") or "/"
+
+
+def amqp_user_of(amqp_url: str) -> str:
+    """The user an AMQP URL connects as (RabbitMQ's default, ``guest``, when it names none)."""
+    return URL(amqp_url).user or "guest"
 
 
 def management_url_of(amqp_url: str) -> str:

@@ -19,6 +19,7 @@ on ``P<agent>.replies``: ``result`` (default when absent), ``progress``.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -47,10 +48,13 @@ __all__ = [
     "HEADER_REASON",
     "HEADER_ROOT",
     "HEADER_TRACE",
+    "HEADER_USER",
     "HEADER_WAITS",
+    "MAX_ID_BYTES",
     "Names",
     "ResultEnvelope",
     "cancel_message",
+    "derived_id",
     "implied_messages",
     "result_message",
     "trace_id_of",
@@ -78,11 +82,20 @@ HEADER_WAITS = "x-waystation-waits"
 ``rate`` (``workers.limits``): set by a worker on the copy it sends back instead of running it.
 Waiting is not an attempt; ``HEADER_ATTEMPTS`` goes on unchanged."""
 
+HEADER_USER = "x-waystation-user"
+"""On a copy a worker sends back (a retry, a wait for a slot) or dead-letters: the AMQP user
+that published the original (its ``user_id``), which the copy cannot carry as its own property
+(RabbitMQ checks that against the connection's user). A worker trusts it only on a message whose
+``user_id`` is the workers' own user (``workers.settle.Settler.received``)."""
+
 HEADER_REASON = "x-waystation-reason"
 """On a dead letter: why, as a machine-readable code (docs/failures.md)."""
 HEADER_DETAIL = "x-waystation-detail"
 HEADER_QUEUE = "x-waystation-queue"
 """On a dead letter: the queue it came from (where a replay sends it back)."""
+
+MAX_ID_BYTES = 255
+"""Bytes of an AMQP short string: a message id, a correlation id, a queue name."""
 
 TYPE_TASK = "task"
 TYPE_RESUME = "resume"
@@ -208,6 +221,15 @@ def _headers(state: TaskState, step: str) -> dict[str, Any]:
     return headers
 
 
+def derived_id(base: str, suffix: str) -> str:
+    """The message id ``base + suffix`` (``:result`` of a task id), or, when that would be over
+    :data:`MAX_ID_BYTES`, the same made of the base's digest: as deterministic, and sendable."""
+    derived = base + suffix
+    if len(derived.encode()) <= MAX_ID_BYTES:
+        return derived
+    return hashlib.sha256(base.encode()).hexdigest() + suffix
+
+
 def result_message(
     task_id: str,
     reply_to: str,
@@ -221,7 +243,7 @@ def result_message(
     if isinstance(trace_id, str) and trace_id and HEADER_TRACEPARENT not in headers:
         headers[HEADER_TRACEPARENT] = tracing.traceparent(trace_id, tracing.end_key(task_id))
     return OutboxMessage(
-        message_id=f"{task_id}:result",
+        message_id=derived_id(task_id, ":result"),
         routing_key=reply_to,
         body=envelope.to_json(),
         properties={

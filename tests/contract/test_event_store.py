@@ -425,6 +425,53 @@ class EventStoreContract:
         finally:
             await store.delete_outbox([soon, never])
 
+    async def test_a_row_given_back_is_claimable_after_its_delay_counting_its_refusals(
+        self, store: EventStore
+    ) -> None:
+        result = await store.append(
+            new_stream(), 0, probes(1), prev_hash=GENESIS_HASH, outbox=[message()], outbox_delay=0
+        )
+        (mine,) = result.outbox_ids
+        try:
+            (entry,) = [e for e in await store.claim_outbox(limit=10_000) if e.id == mine]
+            assert (entry.refusals, 0 <= entry.age < 60) == (0, True)
+            await store.retry_outbox([mine], 0, refused="a full queue")
+            await store.retry_outbox([mine], 0, refused="a full queue")
+            await store.retry_outbox([mine], 0)  # given back without a refusal: not counted
+            (entry,) = [e for e in await store.claim_outbox(limit=10_000) if e.id == mine]
+            assert entry.refusals == 2
+            await store.retry_outbox([mine], 3600, refused="again")
+            assert mine not in await claim_ids(store)  # not before its delay
+            await store.retry_outbox([], 0)
+        finally:
+            await store.delete_outbox([mine])
+
+    async def test_outbox_oldest_is_at_least_the_age_of_a_row_not_yet_deleted(
+        self, store: EventStore
+    ) -> None:
+        deployment = f"d-{uuid.uuid4()}."
+        result = await store.append(
+            new_stream(),
+            0,
+            [NewEvent(uuid.uuid4(), "Probe", {}, {"deployment": deployment})],
+            prev_hash=GENESIS_HASH,
+            outbox=[message()],
+            outbox_delay=0,
+        )
+        (mine,) = result.outbox_ids
+        try:
+            await asyncio.sleep(0.2)
+            (entry,) = [
+                e
+                for e in await store.claim_outbox(limit=10_000, deployment=deployment)
+                if e.id == mine
+            ]
+            oldest = await store.outbox_oldest(deployment=deployment)
+            assert entry.age >= 0.1  # (rows of no deployment may be older still)
+            assert oldest is not None and oldest >= entry.age - 0.05
+        finally:
+            await store.delete_outbox([mine])
+
     async def test_an_expired_lease_makes_a_row_claimable_again(self, store: EventStore) -> None:
         result = await store.append(
             new_stream(), 0, probes(1), prev_hash=GENESIS_HASH, outbox=[message()], outbox_delay=0

@@ -131,6 +131,12 @@ class FaultyLog(EventStore):
     async def outbox_size(self, *, deployment: str | None = None) -> int:
         return await self.inner.outbox_size(deployment=deployment)
 
+    async def outbox_oldest(self, *, deployment: str | None = None) -> float | None:
+        return await self.inner.outbox_oldest(deployment=deployment)
+
+    async def retry_outbox(self, *args: Any, **kwargs: Any) -> None:
+        await self.inner.retry_outbox(*args, **kwargs)
+
     async def claim_expired_calls(self, *args: Any, **kwargs: Any) -> Any:
         return await self.inner.claim_expired_calls(*args, **kwargs)
 

@@ -235,6 +235,17 @@ class FaultyStore(EventStore):
         await self._enter("read")
         return await self.inner.outbox_size(deployment=deployment)
 
+    async def outbox_oldest(self, *, deployment: str | None = None) -> float | None:
+        await self._enter("read")
+        return await self.inner.outbox_oldest(deployment=deployment)
+
+    async def retry_outbox(
+        self, ids: Sequence[int], delay: float, *, refused: str | None = None
+    ) -> None:
+        await self._enter("claim")
+        await self.inner.retry_outbox(ids, delay, refused=refused)
+        self._lost("claim")
+
     async def claim_expired_calls(
         self, limit: int = 100, lease: float = 30.0, *, deployment: str | None = None
     ) -> list[ExpiredCall]:

@@ -353,6 +353,12 @@ class CommitOrderLog(EventStore):
     async def outbox_size(self, **kwargs: Any) -> int:
         raise NotImplementedError
 
+    async def outbox_oldest(self, **kwargs: Any) -> float | None:
+        raise NotImplementedError
+
+    async def retry_outbox(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError
+
     async def claim_expired_calls(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 

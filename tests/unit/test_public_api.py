@@ -22,6 +22,8 @@ EVENTS_API = [
     "GENESIS_HASH",
     "IntegrityError",
     "InvalidTransition",
+    "MAX_TASK_ID_BYTES",
+    "MessageTooLarge",
     "NewEvent",
     "OutboxEntry",
     "OutboxMessage",

@@ -56,6 +56,7 @@ from events import (
 )
 from events.memory import InMemoryEventStore
 from events.simulation import simulate
+from events.task import MAX_IGNORED_REPLIES, over_ignored_limit
 
 NOW = 1_700_000_000.0
 DEFAULT_TIMEOUT = 30.0
@@ -704,6 +705,20 @@ def test_replies_for_calls_the_task_never_made_are_unknown_calls() -> None:
         ]
     assert log.state().claims == {}
     assert len(log.state().outstanding) == 2
+
+
+def test_past_the_bound_of_ignored_replies_none_is_recorded_but_a_claim_still_is() -> None:
+    log = paused_task("t", calls=2)
+    for n in range(MAX_IGNORED_REPLIES):
+        assert [type(e) for e in deliver(log, "t:9:0", f"junk-{n}")] == [ReplyIgnored]
+    state = log.state()
+    assert state.ignored_replies == MAX_IGNORED_REPLIES
+    assert decide_reply(state, "t:9:0", outcome="ok", message_id="junk-more") == []
+    assert over_ignored_limit(state, "t:9:0", "junk-more")
+    claimed = deliver(log, "t:1:0", "m1", value=1)  # a real reply is applied as ever
+    assert [type(e) for e in claimed] == [SubtaskClaimed, ResultRecorded]
+    assert not over_ignored_limit(log.state(), "t:1:0", "m1")  # (its redelivery)
+    assert decide_reply(log.state(), "t:1:0", outcome="ok", value=1, message_id="m1") == []
 
 
 def test_a_reply_between_resume_and_the_next_pause_is_an_unknown_call() -> None:

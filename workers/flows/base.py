@@ -50,6 +50,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+ENVELOPE_ROOM = 1024
+"""Bytes of a message that a result or call input leaves to the rest of its body."""
+
 
 def copy_json(value: Any) -> Any:
     return loads(dumps(value))
@@ -147,6 +150,12 @@ class Flows:
 
     def default_timeout(self, spec: AgentSpec) -> float:
         return spec.default_timeout or self.settings.default_call_timeout
+
+    @property
+    def max_value_bytes(self) -> int:
+        """The largest result or call input (as JSON) a message can carry: the message limit
+        less room for the envelope and the properties around it."""
+        return max(1, self.settings.max_message_bytes - ENVELOPE_ROOM)
 
     async def _invoke(self, spec: AgentSpec, context: TaskContext) -> Any:
         """One run of the handler: a plain one in the thread pool (a time limit frees the
@@ -287,6 +296,6 @@ class Flows:
         cancellation, which knows nothing of its publisher: only its own message does. Tell it."""
         if state.status == "cancelled" and state.agent is None and delivery.reply_to:
             envelope = ResultEnvelope("cancelled", error=state.error, task_id=state.task_id)
-            await self.settler.answer(
+            await self.settler.answer_or_keep(
                 result_message(state.task_id, delivery.reply_to, delivery.correlation_id, envelope)
             )

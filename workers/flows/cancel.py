@@ -15,7 +15,7 @@ from ..agent import AgentSpec
 from ..broker import Delivery
 from ..recorder import Cause
 from ..settle import Settled, ack, dead
-from ..wire import ResultEnvelope, result_message
+from ..wire import ResultEnvelope, derived_id, result_message
 from .base import Flows
 
 __all__ = ["MAX_TASK_ID", "handle_cancel"]
@@ -55,9 +55,9 @@ async def handle_cancel(flows: Flows, delivery: Delivery, spec: AgentSpec, body:
     flows.observer.count("cancels_applied" if applied.events else "cancels_ignored")
     if delivery.reply_to:
         envelope = ResultEnvelope("ok", result={"task_id": task_id, "status": status})
-        await flows.settler.answer(
+        await flows.settler.answer_or_keep(
             result_message(
-                f"{task_id}:cancel", delivery.reply_to, delivery.correlation_id, envelope
+                derived_id(task_id, ":cancel"), delivery.reply_to, delivery.correlation_id, envelope
             )
         )
     return ack()

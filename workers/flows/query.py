@@ -24,7 +24,7 @@ from events.codec import loads
 from ..agent import AgentSpec
 from ..broker import Delivery
 from ..settle import Settled, ack, dead
-from ..wire import ResultEnvelope, result_message
+from ..wire import ResultEnvelope, derived_id, result_message
 from .base import Flows
 from .cancel import MAX_TASK_ID
 from .task import recorded_outcome
@@ -49,9 +49,9 @@ async def handle_query(flows: Flows, delivery: Delivery, spec: AgentSpec, body: 
     state = await flows.recorder.load(task_id)
     answer = query_answer(state)
     flows.observer.count("queries_answered")
-    await flows.settler.answer(
+    await flows.settler.answer_or_keep(
         result_message(
-            f"{task_id}:query",
+            derived_id(task_id, ":query"),
             delivery.reply_to,
             delivery.correlation_id or delivery.message_id,
             ResultEnvelope("ok", result=answer),

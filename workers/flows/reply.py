@@ -38,6 +38,7 @@ from events import (
     parse_subtask_id,
 )
 from events.chain import recorded_events
+from events.task import MAX_IGNORED_REPLIES, over_ignored_limit
 
 from ..broker import Delivery
 from ..intake import Rejection
@@ -47,7 +48,7 @@ from ..settle import Settled, ack, dead
 from ..wire import ResultEnvelope
 from .base import Flows, error_of, resume_context
 
-__all__ = ["handle_reply", "handle_unstorable_reply", "record_unroutable", "subtask_of"]
+__all__ = ["handle_reply", "handle_unstorable_reply", "subtask_of"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,11 @@ async def handle_reply(flows: Flows, delivery: Delivery, body: Any) -> Settled:
     if not applied.state.exists:
         return dead("unknown-task", f"no task {task_id!r} in the log")
     if not applied.events:
+        if over_ignored_limit(applied.state, subtask, delivery.message_id):
+            return dead(
+                "ignored-replies-limit",
+                f"task {task_id!r} already records {MAX_IGNORED_REPLIES} ignored replies",
+            )
         flows.observer.count("redelivered_recognised")
     return ack(applied.checkpoint_started)
 
@@ -194,6 +200,7 @@ async def _resume_in_place(
             default_timeout=flows.default_timeout(spec),
             max_timeout=flows.settings.max_call_duration,
             max_state_bytes=flows.settings.max_state_bytes,
+            max_value_bytes=flows.max_value_bytes,
         )
     except Exception as error:
         # the first run of this step: the agent's policy decides, as for any other run
@@ -234,16 +241,4 @@ async def _resume_in_place(
         checkpoint_started=returned_at if isinstance(outcome, Pause) else None,
         resumed_at=decided_at,
         made=own,
-    )
-
-
-async def record_unroutable(flows: Flows, task_id: str, subtask: str, queue: str) -> None:
-    """A peer request nobody can receive fails its call at once instead of at its deadline."""
-    error = {"type": "unroutable", "message": f"no queue {queue!r} for this call"}
-    await flows.recorder.append_decision(
-        task_id,
-        lambda state: decide_reply(state, subtask, outcome="error", error=error),
-        key=lambda _: f"reply:{subtask}",
-        cause=Cause(message_id=f"unroutable:{subtask}"),
-        step="reply",
     )

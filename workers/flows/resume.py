@@ -56,6 +56,7 @@ async def handle_resume(flows: Flows, delivery: Delivery, spec: AgentSpec, body:
                     default_timeout=flows.default_timeout(spec),
                     max_timeout=flows.settings.max_call_duration,
                     max_state_bytes=flows.settings.max_state_bytes,
+                    max_value_bytes=flows.max_value_bytes,
                 )
             except InvalidTransition as error:
                 break_error: Exception = error

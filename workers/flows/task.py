@@ -1,6 +1,9 @@
 """A task message: run the agent's handler, then record its outcome (docs/internals.md).
 
-A task that completes without calling peers writes nothing (G10): its result is the only effect.
+A task that completes without calling peers writes nothing (G10): its result is the only effect,
+unless the broker refuses that answer for now (its queue is full): then the completion is
+recorded after all, and its outbox row tried again with backoff, rather than the handler run
+again.
 A pause appends ``TaskStarted`` and ``TaskPaused`` in one statement, whose outbox rows are the
 peer requests (G5: published only after the checkpoint committed). A handler that raises is
 retried by redelivery up to the delivery limit, then recorded as failed. An input that does not
@@ -16,10 +19,19 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from events import Complete, Pause, TaskStarted, TaskState, VersionConflict, decide_outcome
+from events import (
+    MAX_TASK_ID_BYTES,
+    Complete,
+    Pause,
+    TaskCompleted,
+    TaskStarted,
+    TaskState,
+    VersionConflict,
+    decide_outcome,
+)
 
 from ..agent import AgentSpec, TaskContext
-from ..broker import Delivery
+from ..broker import Delivery, PublishRefused
 from ..recorder import Cause
 from ..settle import Settled, ack, dead, sent_again
 from ..wire import (
@@ -41,6 +53,13 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
     if not task_id:
         return dead(
             "missing-property", "a task needs a message_id (its task id)", tell_publisher=True
+        )
+    if len(task_id.encode()) > MAX_TASK_ID_BYTES:
+        return dead(
+            "id-too-long",
+            f"a task id is at most {MAX_TASK_ID_BYTES} bytes (AMQP's limit of 255 less room for "
+            f"the ids derived from it); this one is {len(task_id.encode())}",
+            tell_publisher=True,
         )
     again = sent_again(delivery)
     root_id = str(delivery.headers.get(HEADER_ROOT) or task_id)
@@ -107,6 +126,7 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
             record_completion=flows.settings.audit_all_tasks or again,
             max_timeout=flows.settings.max_call_duration,
             max_state_bytes=flows.settings.max_state_bytes,
+            max_value_bytes=flows.max_value_bytes,
         )
     except Exception as error:
         return await flows.handler_failed(delivery, state, error, start=start, spec=spec)
@@ -123,17 +143,28 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
                 if recorded.exists:
                     return await _already_recorded(flows, delivery, recorded)
             envelope = ResultEnvelope("ok", result=outcome.result, task_id=task_id)
-            await flows.settler.answer(
-                result_message(
-                    task_id,
-                    delivery.reply_to,
-                    delivery.correlation_id,
-                    envelope,
-                    {HEADER_ROOT: root_id, HEADER_TRACE: trace_id},
+            try:
+                await flows.settler.answer(
+                    result_message(
+                        task_id,
+                        delivery.reply_to,
+                        delivery.correlation_id,
+                        envelope,
+                        {HEADER_ROOT: root_id, HEADER_TRACE: trace_id},
+                    )
                 )
-            )
-        flows.observer.completed_unrecorded(state)
-        return ack()
+            except PublishRefused as refused:
+                # its queue refuses it for now (full): the completion is recorded after all, and
+                # its outbox row is tried again with backoff; the handler does not run again
+                log.warning(
+                    "task %s: its answer was refused (%s); recording it for the outbox",
+                    task_id,
+                    refused.detail,
+                )
+                events = [start, TaskCompleted(result=outcome.result)]
+        if not events:
+            flows.observer.completed_unrecorded(state)
+            return ack()
     try:
         await flows.recorder.commit(
             state, events, "run", Cause.of(delivery), step="pause", history=[]
@@ -148,7 +179,7 @@ async def _already_recorded(flows: Flows, delivery: Delivery, state: TaskState) 
     publisher), it was cancelled before its first run was recorded, or it is a resend of a
     task that finished; the last two are answered here, from the log."""
     if _answer_from_log(delivery, state):
-        await flows.settler.answer(
+        await flows.settler.answer_or_keep(
             result_message(
                 state.task_id,
                 delivery.reply_to or "",

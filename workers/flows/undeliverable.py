@@ -1,0 +1,94 @@
+"""A committed message the broker will not take: it costs that message alone (G4, G9).
+
+The outbox publishes what committed events imply (``workers.outbox``). When the broker says no
+for good to one of them (no queue takes it: ``unroutable``; it can never be sent as it is:
+``too-large``, ``unencodable``; or it kept refusing it for ``WAYSTATION_REFUSED_RETRY_SECONDS``:
+``refused``), the message is kept as a dead letter with that reason, and its task gets a
+terminal answer where one can still be given:
+
+* a peer request: its call fails at once with that error, as a timeout would, without waiting
+  for its deadline (the task goes on with an error result for that call);
+* a resume: the task fails (its resumed run could never start);
+* a task's result: its publisher gets an error result instead, when that one can be sent (not
+  when its queue is gone, or full);
+* anything else (a cancel for a peer, an answer): the dead letter alone.
+
+The outbox forgets the row only once this is done (:func:`handle_undeliverable` returned).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from events import OutboxMessage, decide_failure, decide_reply, parse_subtask_id
+from events.codec import loads
+
+from ..broker import BrokerError, PublishRefused, Unroutable
+from ..recorder import Cause
+from ..wire import TYPE_RESULT, TYPE_RESUME, TYPE_TASK
+from .base import Flows
+
+__all__ = ["handle_undeliverable"]
+
+log = logging.getLogger(__name__)
+
+
+def _error_of(error: BrokerError) -> dict[str, str]:
+    if isinstance(error, Unroutable):
+        return {"type": "unroutable", "message": f"no queue {error.routing_key!r} for this call"}
+    reason = error.reason if isinstance(error, PublishRefused) else "unavailable"
+    return {"type": reason, "message": f"the request could not be sent: {error}"[:2000]}
+
+
+async def handle_undeliverable(flows: Flows, message: OutboxMessage, error: BrokerError) -> None:
+    """Keep ``message`` as a dead letter and give its task its answer (see the module)."""
+    properties = message.properties
+    kind = properties.get("type")
+    subtask = properties.get("correlation_id")
+    if kind == TYPE_TASK and subtask and subtask == message.message_id:
+        await _fail_call(flows, subtask, _error_of(error))
+    elif kind == TYPE_RESUME:
+        await _fail_resumed(flows, message, error)
+    if kind == TYPE_RESULT:
+        # the answer itself: kept, and its publisher told when that can be
+        await flows.settler.keep_answer(message, error)
+    else:
+        await flows.settler.keep(message, error)
+
+
+async def _fail_call(flows: Flows, subtask: str, error: dict[str, str]) -> None:
+    """The call ``subtask`` fails now, as if its peer had answered with ``error``."""
+    task_id, _, _ = parse_subtask_id(subtask)
+    log.warning("call %s of task %s failed: %s", subtask, task_id, error["message"])
+    await flows.recorder.append_decision(
+        task_id,
+        lambda state: decide_reply(state, subtask, outcome="error", error=error),
+        key=lambda _: f"reply:{subtask}",
+        cause=Cause(message_id=f"undeliverable:{subtask}"),
+        step="reply",
+    )
+
+
+async def _fail_resumed(flows: Flows, message: OutboxMessage, error: BrokerError) -> None:
+    """The resume ``message`` will never run: its task fails, if it is still waiting for it."""
+    try:
+        body: Any = loads(message.body)
+        task_id, pause = str(body["task_id"]), int(body["pause"])
+    except (ValueError, TypeError, KeyError):
+        return
+    failure = {"type": "undeliverable-resume", "message": f"the resume could not be sent: {error}"}
+
+    def decide(state: Any) -> list[Any]:
+        if state.status != "resumed" or state.pause != pause:
+            return []
+        return decide_failure(state, failure)
+
+    log.error("task %s failed: its resume from pause %d could not be sent", task_id, pause)
+    await flows.recorder.append_decision(
+        task_id,
+        decide,
+        key=lambda _: "failed",
+        cause=Cause(message_id=message.message_id),
+        step="failure",
+    )
