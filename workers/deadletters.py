@@ -15,6 +15,8 @@ from typing import Any
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 
+from .brokers.metadata import sendable
+from .brokers.transport import guarded_connection
 from .wire import HEADER_DETAIL, HEADER_QUEUE, HEADER_REASON, Names
 
 __all__ = ["DeadLetter", "browse", "replay"]
@@ -65,7 +67,10 @@ async def _take(
     act: Callable[[aio_pika.abc.AbstractChannel, AbstractIncomingMessage, DeadLetter], Any],
 ) -> list[DeadLetter]:
     """Get up to ``limit`` dead letters; ``act`` returns True to ack one, else it goes back."""
-    connection = await aio_pika.connect(amqp_url)
+    # read defensively: a letter the broker dead-lettered by itself keeps its metadata as it came
+    connection = await guarded_connection(
+        amqp_url, client_properties={"connection_name": "waystation dead-letters"}
+    )
     seen: list[DeadLetter] = []
     kept: list[AbstractIncomingMessage] = []
     try:
@@ -113,12 +118,14 @@ async def replay(
     ) -> bool:
         if letter.queue is None or (reason is not None and letter.reason != reason):
             return False
-        headers = {
-            key: value
-            for key, value in (message.headers or {}).items()
-            if not key.startswith(("x-waystation-", "x-death", "x-first-death", "x-last-death"))
-            and key != "x-delivery-count"
-        }
+        headers = sendable(
+            {
+                key: value
+                for key, value in (message.headers or {}).items()
+                if not key.startswith(("x-waystation-", "x-death", "x-first-death", "x-last-death"))
+                and key != "x-delivery-count"
+            }
+        )
         await channel.default_exchange.publish(
             aio_pika.Message(
                 message.body,
