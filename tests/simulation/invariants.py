@@ -32,6 +32,7 @@ from projections.audit import verify_stream
 from projections.model import FeedEvent, PausedTask, fold_paused_tasks
 from workers.sweeper import SWEEP_LEASE
 
+from . import reality
 from .loop import EPOCH
 from .world import RESULTS, SETTLE_BOUND, Observed
 
@@ -128,6 +129,7 @@ def problems(observed: Observed) -> list[str]:
             found.append(f"{stream_id}: left {state.status} at pause {state.pause}")
     found.extend(_broker_problems(observed))
     found.extend(_projection_problems(observed, streams))
+    found.extend(reality.problems(observed, streams))
     return found
 
 
