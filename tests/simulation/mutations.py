@@ -20,6 +20,7 @@ import workers.flows.base
 import workers.flows.cancel
 import workers.flows.reply
 import workers.recorder
+import workers.runtime
 import workers.settle
 import workers.sweeper
 from events import (
@@ -36,11 +37,14 @@ from events import (
     decide_timeout,
     parse_subtask_id,
 )
+from workers.agent import AgentSpec
 from workers.broker import Delivery
 from workers.flows.base import Flows
 from workers.flows.reply import handle_reply
+from workers.flows.resume import handle_resume
+from workers.intake import Rejection
 from workers.recorder import Cause
-from workers.settle import Settled, ack, requeue
+from workers.settle import Settled, ack, dead, requeue
 from workers.wire import TYPE_CANCEL, TYPE_TASK, implied_messages
 
 __all__ = ["MUTATIONS", "mutated"]
@@ -123,6 +127,34 @@ async def _drop_reply_when_stream_busy(flows: Flows, delivery: Delivery, body: A
     if flows.recorder.locks.busy(task_id):
         return ack()
     return await handle_reply(flows, delivery, body)
+
+
+async def _ack_then_resume(flows: Flows, delivery: Delivery, spec: AgentSpec, body: Any) -> Settled:
+    """The resume flow acking its message first, then running the resumed handler (G1 broken):
+    a crash or a failed run in between leaves the task resumed and nobody to run it."""
+    await flows.broker.ack(delivery)
+    await handle_resume(flows, delivery, spec, body)
+    return ack()
+
+
+async def _late_replies_dead_lettered(flows: Flows, delivery: Delivery, body: Any) -> Settled:
+    """Replies found through an index of pending calls, which forgets a task's calls when it
+    ends: a reply to a finished task dead-lettered as for an unknown task, not recorded late."""
+    try:
+        task_id, _, _ = parse_subtask_id(delivery.correlation_id or "")
+    except ValueError:
+        return await handle_reply(flows, delivery, body)
+    if (await flows.recorder.load(task_id)).finished:
+        return dead("unknown-task", f"no pending call of {task_id!r}")
+    return await handle_reply(flows, delivery, body)
+
+
+async def _unstorable_reply_only_dead_lettered(
+    flows: Flows, delivery: Delivery, why: Rejection
+) -> Settled:
+    """A reply whose body the log cannot store dead-lettered without failing its call: the call
+    waits for its deadline, and the log never says why."""
+    return dead(why.reason, why.detail)
 
 
 def _ignored_replies_unrecorded(state: TaskState, subtask: str, **given: Any) -> list[DomainEvent]:
@@ -252,6 +284,14 @@ MUTATIONS: dict[str, list[Patch]] = {
     "reply-acked-before-append": [(workers.flows, "handle_reply", _ack_then_record_reply)],
     # a reply lost between the broker and the log (acked unrecorded), turned into a timeout
     "reply-lost-when-stream-busy": [(workers.flows, "handle_reply", _drop_reply_when_stream_busy)],
+    # G1: the resume flow acked its message, then ran the resumed handler
+    "resume-acked-before-its-run": [(workers.flows, "handle_resume", _ack_then_resume)],
+    # a reply to a finished task dead-lettered (unknown-task) instead of recorded as late
+    "late-replies-dead-lettered": [(workers.flows, "handle_reply", _late_replies_dead_lettered)],
+    # a reply the log cannot store dead-lettered, its call left to time out
+    "unstorable-reply-unrecorded": [
+        (workers.runtime, "handle_unstorable_reply", _unstorable_reply_only_dead_lettered)
+    ],
     # duplicate and late replies acked without their audit record
     "ignored-replies-unrecorded": [
         (workers.flows.reply, "decide_reply", _ignored_replies_unrecorded)

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from events import RecordedEvent, parse_subtask_id
-from events.codec import loads
+from events.codec import loads, unstorable
+from workers.broker import Delivery
 from workers.brokers.memory import StoredMessage
 from workers.settle import crash_limit
 from workers.wire import (
@@ -61,11 +62,12 @@ __all__ = ["problems"]
 
 _TERMINAL = ("TaskCompleted", "TaskFailed", "TaskCancelled")
 _AGENTS = ("orchestrator", "researcher", "oracle")
-CALL_ERRORS = frozenset({"oracle", "DeliveryLimitReached"})
-"""The error types a call's result can carry here: the plain peer answers an error, or a
-researcher fails at the crash limit (its workers kept dying holding the request). A researcher
-is never cancelled while its call is outstanding (only claimed and finished calls are), and its
-handler never raises on a peer request."""
+CALL_ERRORS = frozenset({"oracle", "unstorable-reply", "DeliveryLimitReached"})
+"""The error types a call's result can carry here: the plain peer answers an error, or answers
+one the log cannot store (the worker records ``unstorable-reply`` instead), or a researcher fails
+at the crash limit (its workers kept dying holding the request). A researcher is never cancelled
+while its call is outstanding (only claimed calls and finished tasks' calls are), and its handler
+never raises on a peer request."""
 
 
 def problems(observed: Observed, streams: dict[str, list[RecordedEvent]]) -> list[str]:
@@ -175,14 +177,6 @@ class _World:
         """Publishes of ``message_id`` that reached the broker before ``seq``, with ``where``:
         ``exchange``, ``routing_key``, ``type``."""
         return [s for s in self.sent.get(message_id, ()) if s.seq < seq and _is(s, where)]
-
-    def dead_lettered_before(self, delivery_queue: str, message_id: str, seq: int) -> bool:
-        """Whether a worker published ``message_id`` of ``delivery_queue`` as a dead letter
-        before ``seq``."""
-        return any(
-            (s.message.properties.get("headers") or {}).get(HEADER_QUEUE) == delivery_queue
-            for s in self.sent_before(message_id, seq, exchange=self.names.dead_letter_exchange)
-        )
 
     def dead_at_the_limit(self, message_id: str | None, queue: str) -> bool:
         """Whether ``message_id`` of ``queue`` was dead-lettered at the delivery limit (by a
@@ -427,8 +421,10 @@ def _allowed(world: _World, letter: StoredMessage, kind: str, queue: str) -> str
       researcher's, and an orchestrator's when handler faults are on) or returns an outcome no
       log can store (``bad``); a peer request never (its input asks for neither);
     * ``unroutable``: an answer to a publisher that is gone;
-    * nothing else: no input here is malformed, oversized, unstorable or for an unknown task
-      (a reply to a call Waystation made always finds its task: G5).
+    * ``unstorable``: a reply whose body the log cannot store (the plain peer's errors with a
+      NUL; its call fails at once, recorded before the ack: :func:`_missing_effect`);
+    * nothing else: no input here is malformed, oversized, or for an unknown task (a reply to
+      a call Waystation made always finds its task: G5), and a task's input is always storable.
     """
     headers = letter.headers
     returns = _count(headers)
@@ -459,6 +455,8 @@ def _allowed(world: _World, letter: StoredMessage, kind: str, queue: str) -> str
         return f"handler-failed ({detail}), not something {spec.task_id} can do"
     if reason == "unroutable" and kind == "answer" and queue == GONE:
         return None
+    if reason == "unstorable" and kind == "reply" and unstorable(_body(letter.body)) is not None:
+        return None
     return f"the reason {reason!r} is not one this scenario can produce"
 
 
@@ -478,22 +476,33 @@ def _acks_follow_their_effect(world: _World) -> list[str]:
     for acked in world.observed.chronicle.acked:
         delivery = acked.delivery
         kind = _kind(delivery.type, delivery.queue, world, delivery.message_id)
-        message_id = delivery.message_id or ""
-        if world.dead_lettered_before(delivery.queue, message_id, acked.seq):
-            continue  # its effect is its dead letter (whose reason is checked above)
         missing = _missing_effect(world, acked, kind)
         if missing is not None:
             found.append(
-                f"{acked.worker} acked {kind} {message_id} from {delivery.queue} before {missing} "
-                "(G1)"
+                f"{acked.worker} acked {kind} {delivery.message_id} from {delivery.queue} before "
+                f"{missing} (G1)"
             )
     return found
 
 
 def _missing_effect(world: _World, acked: Acked, kind: str) -> str | None:
-    """What ``acked``'s delivery should have left before its ack, and had not (None: it had)."""
+    """What ``acked``'s delivery should have left before its ack, and had not (None: it had).
+
+    A dead letter is an effect of its own, and what it implies must be in the log before the
+    ack too: a handler that failed for good ended its task (``TaskFailed``, or the task had
+    ended already); an unstorable reply failed its call. Only at the delivery limit, or for an
+    answer nobody can take, is the dead letter all there is."""
     delivery, seq = acked.delivery, acked.seq
     message_id = delivery.message_id or ""
+    reason = _dead_letter_before(world, acked)
+    task_id = _task_id(delivery, kind)
+    events = world.streams.get(task_id, [])
+    if reason == "handler-failed":
+        if any(e.event_type in _TERMINAL and world.committed(e) < seq for e in events):
+            return None
+        return f"its failure ended {task_id} in the log"
+    if reason is not None and reason != "unstorable":
+        return None
     if kind == "reply":
         key = (delivery.correlation_id or "", delivery.message_id)
         if world.recorded.get(key, seq) < seq:
@@ -502,16 +511,13 @@ def _missing_effect(world: _World, acked: Acked, kind: str) -> str | None:
     if kind in ("task", "request", "resume") and _sent_back_before(world, acked):
         return None
     if kind in ("task", "request"):
-        if any(world.committed(e) < seq for e in world.streams.get(message_id, ())):
+        if any(world.committed(e) < seq for e in events):
             return None
         if world.sent_before(f"{message_id}:result", seq):
             return None  # completed without peers: its answer is its only effect (G10)
         return "its events committed or its result was published"
-    body = _body(delivery.body)
-    task_id = str(body.get("task_id", ""))
-    events = world.streams.get(task_id, [])
     if kind == "resume":
-        pause = body.get("pause")
+        pause = _body(delivery.body).get("pause")
         after = False
         for event in events:
             if after and event.event_type != "ReplyIgnored" and world.committed(event) < seq:
@@ -524,6 +530,27 @@ def _missing_effect(world: _World, acked: Acked, kind: str) -> str | None:
             return f"{task_id}'s end (its cancel, or what finished it) committed"
         if delivery.reply_to and not world.sent_before(f"{task_id}:cancel:result", seq):
             return "its answer was published"
+    return None
+
+
+def _task_id(delivery: Delivery, kind: str) -> str:
+    """The task a delivery is about: its own id (a task, a request), or the one its body names
+    (a resume, a cancel)."""
+    if kind in ("resume", "cancel"):
+        return str(_body(delivery.body).get("task_id", ""))
+    return delivery.message_id or ""
+
+
+def _dead_letter_before(world: _World, acked: Acked) -> str | None:
+    """The reason of the dead letter a worker published of ``acked``'s delivery before the ack,
+    if it did."""
+    delivery = acked.delivery
+    for sent in world.sent_before(
+        delivery.message_id or "", acked.seq, exchange=world.names.dead_letter_exchange
+    ):
+        headers = sent.message.properties.get("headers") or {}
+        if headers.get(HEADER_QUEUE) == delivery.queue:
+            return str(headers.get(HEADER_REASON))
     return None
 
 

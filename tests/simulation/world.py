@@ -155,7 +155,11 @@ class _Oracle:
         value = x * 10 if isinstance(x, int) else 0
         body: Any = {"status": "ok", "result": {"answer": value}}
         if behaviour == "error":
-            body = {"status": "error", "error": {"type": "oracle", "message": "no"}}
+            # half of them with a NUL the log cannot store: the call then fails at once (an
+            # unstorable-reply error) and the reply is dead-lettered. (Drawn last, so that every
+            # other behaviour draws what it drew before.)
+            message = "no\u0000" if rng.random() < 0.5 else "no"
+            body = {"status": "error", "error": {"type": "oracle", "message": message}}
         await self.world.send(reply_to, body, subtask, TYPE_RESULT, f"{subtask}/a")
         if behaviour in ("twice", "different"):
             await asyncio.sleep(rng.uniform(0, 3))
