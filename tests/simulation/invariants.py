@@ -17,7 +17,9 @@
 * no message is left in a queue, unsettled or unpublished, and none disappears: each one the
   broker took was acked by a consumer or dead-lettered, and every dead letter carries a reason;
 * the paused-tasks projection built along the way from batches of the log equals the one built
-  from the whole log at once, and what folding each stream says.
+  from the whole log at once, and what folding each stream says;
+* what happened in the world (the broker's ledger, every commit, publish and ack in order) is
+  what the log says: ``tests.simulation.reality``.
 """
 
 from __future__ import annotations

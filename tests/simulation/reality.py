@@ -8,9 +8,14 @@ commit, every publish of a worker that reached the broker, every ack a worker se
 the order they happened: ``tests.simulation.faults.Chronicle``). :func:`problems` requires:
 
 1. every reply the broker took ends in the log by its message id, as the claim of its call or as
-   an ignored reply (``ReplyIgnored``), whenever it came (its deadline decides only which);
-   the one exception is a reply dead-lettered at the delivery limit, its workers having died
-   holding it. Conversely, every claim and ignored reply in the log names a reply the broker took;
+   an ignored reply (``ReplyIgnored``), whenever it came: before its call's deadline it claims,
+   unless a copy of it or another reply claimed first (``duplicate``) or, held up by a crash
+   or a slow worker, it found the deadline had claimed (``late``); after the task finished
+   (completed, failed, cancelled meanwhile) it is ``late``; a body the log cannot store claims
+   with an ``unstorable-reply`` error. The one exception: a reply dead-lettered at the delivery
+   limit (by a worker past the crash limit, or by the broker past its own), its workers having
+   died holding it, which only crashes and dropped connections make. Conversely, every claim
+   and ignored reply in the log names a reply the broker took;
 2. every peer request a worker published was published after the pause that makes the call
    committed (G5), and every call of a committed pause was published to its peer's queue (G4);
 3. a cancel names exactly the calls still outstanding when it commits (``TaskCancelled.pending``),
@@ -24,8 +29,10 @@ the order they happened: ``tests.simulation.faults.Chronicle``). :func:`problems
 6. every delivery a worker acked had its effect recorded before the ack (G1): a reply its claim
    or its ``ReplyIgnored``; a task its stream's events, or (completed without peers: it writes
    nothing, G10) its result published; a resume the outcome of the resumed run; a cancel the
-   task's end, and its answer published; or, for any, the copy sent back for a retry or the
-   dead letter published. (A progress report that extends nothing writes nothing by design.)
+   task's end, and its answer published; or, for any, the copy sent back for a retry, or the
+   dead letter published with what it implies (a handler failed for good: its task ended; an
+   unstorable reply: its call failed). (A progress report that extends no deadline writes
+   nothing, by design: it is not checked.)
 """
 
 from __future__ import annotations
