@@ -200,6 +200,10 @@ def _bad_problems(
         return []
     if error.get("type") == "RuntimeError":
         return []  # its handler raised on every attempt before it could return the bad outcome
+    if error.get("type") == "DeliveryLimitReached":
+        # its workers died holding it past the crash limit before a run could fail it (whether
+        # the returns were enough is checked with the workers: _worker_problems)
+        return []
     return [f"{task_id}: an outcome the log cannot store failed as {error}"]
 
 

@@ -1,7 +1,11 @@
-"""Each defect of issue 11 put back, one at a time, to check that the simulation catches it.
+"""Each defect of issue 11 put back, one at a time, to check that the simulation catches it; and
+defects only the world-against-log invariants (``tests.simulation.reality``) can see: a reply
+lost between the broker and the log, an ack before its effect, requests published before their
+pause, cancels naming the wrong calls.
 
 A mutation undoes one fix by patching the code that made it (nothing else changes), for as long
-as the ``mutated`` block runs. ``scripts/simulate --mutation NAME`` runs seeds with it; the test
+as the ``mutated`` block runs; one of the second kind patches a plausible bug in instead.
+``scripts/simulate --mutation NAME`` runs seeds with it; the test
 ``test_the_simulation_catches_each_defect_put_back`` requires every one to be caught.
 """
 
