@@ -137,7 +137,7 @@ class _World:
         self.streams = streams
         self.scenario = observed.scenario
         self.names = Names(PREFIX)
-        self.task_queues = {self.names.tasks(agent): agent for agent in _AGENTS}
+        self.task_queues = {self.names.tasks(agent) for agent in _AGENTS}
         self.limit = self.scenario.delivery_limit
         self.specs: dict[str, TaskSpec] = {spec.task_id: spec for spec in self.scenario.tasks}
         self.commits = observed.chronicle.commits
