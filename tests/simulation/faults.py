@@ -7,6 +7,10 @@ commits, before and after a publish and its confirm, before and after an ack. A 
 SIGKILL is: the process's broker connection dies (its unsettled deliveries go back to their
 queues, its unconfirmed publishes are kept or lost), every task it runs is cancelled, and any
 call it still attempts fails, so nothing it does after the crash reaches the world.
+
+A :class:`Chronicle` notes, in one order, what the processes did that the world can see: every
+append that committed, every publish that reached the broker, every ack a worker sent. The
+invariants hold the log against it (``tests.simulation.reality``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,18 @@ from workers.broker import Broker, BrokerUnavailable, Delivery, DeliveryHandler
 from workers.brokers.memory import InMemoryConnection
 from workers.wire import Names
 
-__all__ = ["ACTOR", "TRANSIENT", "FaultPlan", "FaultyBroker", "FaultyStore", "Process", "Trace"]
+__all__ = [
+    "ACTOR",
+    "TRANSIENT",
+    "Acked",
+    "Chronicle",
+    "FaultPlan",
+    "FaultyBroker",
+    "FaultyStore",
+    "Process",
+    "Sent",
+    "Trace",
+]
 
 ACTOR: contextvars.ContextVar[Process | None] = contextvars.ContextVar("actor", default=None)
 """The simulated process a task belongs to (every task it creates inherits it)."""
@@ -71,6 +86,56 @@ class Trace:
     def __call__(self, who: str, what: str) -> None:
         if self.enabled:
             self.lines.append(f"{self.clock():14.3f} {who:>8} {what}")
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """A publish of a worker that reached the broker (routed or not), ``seq``-th in the
+    chronicle."""
+
+    seq: int
+    worker: str
+    message: OutboxMessage
+
+
+@dataclass(frozen=True, slots=True)
+class Acked:
+    """An ack a worker sent (the broker may still lose it in a drop), ``seq``-th in the
+    chronicle: the moment the worker took the delivery's effect for durable."""
+
+    seq: int
+    worker: str
+    delivery: Delivery
+
+
+@dataclass
+class Chronicle:
+    """What the processes did that the world can see, numbered in the order it happened.
+
+    Each note is taken in the same step of the loop as the thing it notes (the in-memory store
+    commits and the in-memory broker takes a publish without awaiting), so the numbers order
+    commits, publishes and acks exactly, even when they share a moment of the virtual clock."""
+
+    commits: dict[int, int] = field(default_factory=dict)
+    """Global position of each event committed, to its number."""
+    sent: list[Sent] = field(default_factory=list)
+    acked: list[Acked] = field(default_factory=list)
+    seq: int = 0
+
+    def _next(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def committed(self, events: Iterable[RecordedEvent]) -> None:
+        seq = self._next()
+        for event in events:
+            self.commits[event.global_position] = seq
+
+    def publish(self, worker: str, message: OutboxMessage) -> None:
+        self.sent.append(Sent(self._next(), worker, message))
+
+    def ack(self, worker: str, delivery: Delivery) -> None:
+        self.acked.append(Acked(self._next(), worker, delivery))
 
 
 @dataclass
@@ -154,11 +219,13 @@ class FaultyStore(EventStore):
         process: Process,
         latency: Callable[[str], float],
         reads: dict[str, list[tuple[float, int]]],
+        chronicle: Chronicle,
     ) -> None:
         self.inner = inner
         self.process = process
         self.latency = latency
         self.reads = reads
+        self.chronicle = chronicle
         """When each stream was read (the loop's time as the read ran), and by which asyncio
         task (its ``id``), for the invariants."""
 
@@ -197,6 +264,8 @@ class FaultyStore(EventStore):
             outbox=outbox,
             outbox_delay=outbox_delay,
         )
+        if not result.duplicate:
+            self.chronicle.committed(result.recorded)
         self.process.trace(
             self.process.name,
             f"append {stream_id} v{expected_version}+{len(events)} "
@@ -266,10 +335,18 @@ class FaultyStore(EventStore):
 class FaultyBroker(Broker):
     """A process's broker connection, with crashes at the publish and ack boundaries."""
 
-    def __init__(self, inner: InMemoryConnection, process: Process) -> None:
+    def __init__(self, inner: InMemoryConnection, process: Process, chronicle: Chronicle) -> None:
         self.inner = inner
         self.process = process
+        self.chronicle = chronicle
         process.connection = inner
+        inner.on_sent = self._sent
+
+    def _sent(self, message: OutboxMessage) -> None:
+        """The broker took a publish (its confirm is on its way back): noted, then the process
+        may crash before the confirm arrives."""
+        self.chronicle.publish(self.process.name, message)
+        self.process.step("publish.after")
 
     async def connect(self) -> None:
         self.process.check()
@@ -328,6 +405,7 @@ class FaultyBroker(Broker):
 
     async def ack(self, delivery: Delivery) -> None:
         self.process.step("ack.before")
+        self.chronicle.ack(self.process.name, delivery)
         await self.inner.ack(delivery)
         self.process.trace(self.process.name, f"ack {delivery.message_id} on {delivery.queue}")
         self.process.step("ack.after")

@@ -1,7 +1,11 @@
-"""Each defect of issue 11 put back, one at a time, to check that the simulation catches it.
+"""Each defect of issue 11 put back, one at a time, to check that the simulation catches it; and
+defects only the world-against-log invariants (``tests.simulation.reality``) can see: a reply
+lost between the broker and the log, an ack before its effect, requests published before their
+pause, cancels naming the wrong calls.
 
 A mutation undoes one fix by patching the code that made it (nothing else changes), for as long
-as the ``mutated`` block runs. ``scripts/simulate --mutation NAME`` runs seeds with it; the test
+as the ``mutated`` block runs; one of the second kind patches a plausible bug in instead.
+``scripts/simulate --mutation NAME`` runs seeds with it; the test
 ``test_the_simulation_catches_each_defect_put_back`` requires every one to be caught.
 """
 
@@ -9,19 +13,43 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import events.task
+import workers.flows
 import workers.flows.base
+import workers.flows.cancel
+import workers.flows.reply
 import workers.recorder
+import workers.runtime
 import workers.settle
 import workers.sweeper
-from events import ExpiredCall, OutboxMessage, decide_timeout
+from events import (
+    CancelledCall,
+    DomainEvent,
+    ExpiredCall,
+    OutboxMessage,
+    ReplyIgnored,
+    ResultRecorded,
+    TaskCancelled,
+    TaskState,
+    decide_cancel,
+    decide_reply,
+    decide_timeout,
+    parse_subtask_id,
+)
+from workers.agent import AgentSpec
 from workers.broker import Delivery
+from workers.flows.base import Flows
+from workers.flows.reply import handle_reply
+from workers.flows.resume import handle_resume
+from workers.intake import Rejection
 from workers.recorder import Cause
-from workers.settle import Settled, requeue
+from workers.settle import Settled, ack, dead, requeue
+from workers.wire import TYPE_CANCEL, TYPE_TASK, implied_messages
 
 __all__ = ["MUTATIONS", "mutated"]
 
@@ -84,6 +112,150 @@ async def _timeout_on_the_workers_clock(
     )
 
 
+async def _ack_then_record_reply(flows: Flows, delivery: Delivery, body: Any) -> Settled:
+    """The reply flow acking its delivery first, then recording it (G1 broken): a crash or an
+    outage in between loses the reply."""
+    await flows.broker.ack(delivery)
+    await handle_reply(flows, delivery, body)
+    return ack()  # (the worker's own ack then finds it settled already: logged, harmless)
+
+
+async def _drop_reply_when_stream_busy(flows: Flows, delivery: Delivery, body: Any) -> Settled:
+    """A reply that finds another of its task being recorded on this worker acked unrecorded,
+    on the belief that the other one's append takes it along (it does not): the call then
+    times out as if its peer never answered."""
+    try:
+        task_id, _, _ = parse_subtask_id(delivery.correlation_id or "")
+    except ValueError:
+        return await handle_reply(flows, delivery, body)
+    if flows.recorder.locks.busy(task_id):
+        return ack()
+    return await handle_reply(flows, delivery, body)
+
+
+async def _ack_then_resume(flows: Flows, delivery: Delivery, spec: AgentSpec, body: Any) -> Settled:
+    """The resume flow acking its message first, then running the resumed handler (G1 broken):
+    a crash or a failed run in between leaves the task resumed and nobody to run it."""
+    await flows.broker.ack(delivery)
+    await handle_resume(flows, delivery, spec, body)
+    return ack()
+
+
+async def _late_replies_dead_lettered(flows: Flows, delivery: Delivery, body: Any) -> Settled:
+    """Replies found through an index of pending calls, which forgets a task's calls when it
+    ends: a reply to a finished task dead-lettered as for an unknown task, not recorded late."""
+    try:
+        task_id, _, _ = parse_subtask_id(delivery.correlation_id or "")
+    except ValueError:
+        return await handle_reply(flows, delivery, body)
+    if (await flows.recorder.load(task_id)).finished:
+        return dead("unknown-task", f"no pending call of {task_id!r}")
+    return await handle_reply(flows, delivery, body)
+
+
+async def _unstorable_reply_only_dead_lettered(
+    flows: Flows, delivery: Delivery, why: Rejection
+) -> Settled:
+    """A reply whose body the log cannot store dead-lettered without failing its call: the call
+    waits for its deadline, and the log never says why."""
+    return dead(why.reason, why.detail)
+
+
+def _ignored_replies_unrecorded(state: TaskState, subtask: str, **given: Any) -> list[DomainEvent]:
+    """Duplicate and late replies acked without their audit record."""
+    events = decide_reply(state, subtask, **given)
+    return [] if events and isinstance(events[0], ReplyIgnored) else events
+
+
+def _late_replies_called_duplicates(
+    state: TaskState, subtask: str, **given: Any
+) -> list[DomainEvent]:
+    events = decide_reply(state, subtask, **given)
+    if events and isinstance(events[0], ReplyIgnored) and events[0].reason == "late":
+        return [events[0].model_copy(update={"reason": "duplicate"})]
+    return events
+
+
+def _cancel_naming_every_call(state: TaskState, reason: str | None = None) -> list[DomainEvent]:
+    """TaskCancelled.pending listing every call of the pause, those already claimed too."""
+    events = decide_cancel(state, reason)
+    if events and state.status == "paused":
+        every = tuple(CancelledCall(subtask_id=c.subtask_id, agent=c.agent) for c in state.calls)
+        return [TaskCancelled(reason=reason, pending=every)]
+    return events
+
+
+def _cancel_forgetting_a_call(state: TaskState, reason: str | None = None) -> list[DomainEvent]:
+    """TaskCancelled.pending without the last outstanding call: its peer works on, uncancelled."""
+    events = decide_cancel(state, reason)
+    if events and isinstance(events[0], TaskCancelled) and events[0].pending:
+        return [events[0].model_copy(update={"pending": events[0].pending[:-1]})]
+    return events
+
+
+def _no_cancel_on_timeout(
+    names: Any, state: TaskState, events: Sequence[DomainEvent], reply_to: str | None = None
+) -> list[OutboxMessage]:
+    """A call's deadline recorded without a cancel to its peer (G6 broken)."""
+    timed_out = {
+        f"{e.subtask_id}:cancel"
+        for e in events
+        if isinstance(e, ResultRecorded) and e.outcome == "timeout"
+    }
+    return [
+        m
+        for m in implied_messages(names, state, events, reply_to)
+        if not (m.properties.get("type") == TYPE_CANCEL and m.message_id in timed_out)
+    ]
+
+
+def _is_request(message: OutboxMessage) -> bool:
+    properties = message.properties
+    return properties.get("type") == TYPE_TASK and properties.get("correlation_id") == (
+        message.message_id
+    )
+
+
+_commit_parts = workers.recorder.Recorder._commit_parts
+
+
+async def _requests_before_the_pause(
+    self: workers.recorder.Recorder,
+    parts: Sequence[Any],
+    *,
+    step: str,
+    history: list[Any] | None,
+) -> bool:
+    """The dual path (G5 broken): a pause's peer requests published straight from memory before
+    its append, and no outbox rows written for them; a reply can overtake the checkpoint, and a
+    request whose publish failed is lost."""
+    requests = [m for part in parts for m in part.messages if _is_request(m)]
+    if requests:
+        with contextlib.suppress(Exception):
+            await self.outbox.broker.publish_all(requests)
+        parts = [
+            dataclasses.replace(part, messages=[m for m in part.messages if not _is_request(m)])
+            for part in parts
+        ]
+    return await _commit_parts(self, parts, step=step, history=history)
+
+
+async def _answer_without_waiting(self: workers.settle.Settler, message: OutboxMessage) -> None:
+    """An answer published without waiting for it: the delivery is acked first, and a crash in
+    between loses the answer of a task that wrote nothing (G10)."""
+
+    async def later() -> None:
+        with contextlib.suppress(Exception):
+            await self.broker.publish(message)
+
+    task = asyncio.get_running_loop().create_task(later())
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+_background: set[asyncio.Task[None]] = set()
+
+
 MUTATIONS: dict[str, list[Patch]] = {
     # a: an outcome the log cannot store reached the commit
     "a-unstorable-outcome": [(events.task, "_require_storable", lambda value, what: None)],
@@ -111,6 +283,40 @@ MUTATIONS: dict[str, list[Patch]] = {
     ],
     # k: the sweeper waited on each stream's lock in turn
     "k-sequential-sweeper": [(workers.sweeper.DeadlineSweeper, "run", _sequential_sweep)],
+    # the world against the log ("When the broker says no", section 2):
+    # G1: the reply flow acked its delivery, then appended
+    "reply-acked-before-append": [(workers.flows, "handle_reply", _ack_then_record_reply)],
+    # a reply lost between the broker and the log (acked unrecorded), turned into a timeout
+    "reply-lost-when-stream-busy": [(workers.flows, "handle_reply", _drop_reply_when_stream_busy)],
+    # G1: the resume flow acked its message, then ran the resumed handler
+    "resume-acked-before-its-run": [(workers.flows, "handle_resume", _ack_then_resume)],
+    # a reply to a finished task dead-lettered (unknown-task) instead of recorded as late
+    "late-replies-dead-lettered": [(workers.flows, "handle_reply", _late_replies_dead_lettered)],
+    # a reply the log cannot store dead-lettered, its call left to time out
+    "unstorable-reply-unrecorded": [
+        (workers.runtime, "handle_unstorable_reply", _unstorable_reply_only_dead_lettered)
+    ],
+    # duplicate and late replies acked without their audit record
+    "ignored-replies-unrecorded": [
+        (workers.flows.reply, "decide_reply", _ignored_replies_unrecorded)
+    ],
+    # late replies recorded as duplicates
+    "late-replies-called-duplicates": [
+        (workers.flows.reply, "decide_reply", _late_replies_called_duplicates)
+    ],
+    # G5, the dual path: requests published before the pause commits, outbox rows forgotten
+    "requests-before-pause-commits": [
+        (workers.recorder.Recorder, "_commit_parts", _requests_before_the_pause)
+    ],
+    # G7: a cancel naming the claimed calls too, or leaving one outstanding call out
+    "cancel-names-claimed-calls": [
+        (workers.flows.cancel, "decide_cancel", _cancel_naming_every_call)
+    ],
+    "cancel-forgets-a-call": [(workers.flows.cancel, "decide_cancel", _cancel_forgetting_a_call)],
+    # G6: a timeout without a cancel to the peer
+    "timeout-without-cancel": [(workers.recorder, "implied_messages", _no_cancel_on_timeout)],
+    # G10 with G1: an answer published without waiting, after the ack
+    "answer-after-ack": [(workers.settle.Settler, "answer", _answer_without_waiting)],
 }
 
 

@@ -6,7 +6,8 @@
   A failure prints the command that replays its (shrunk) scenario step by step.
 * The same seed gives the same history, byte for byte.
 * Each defect of section 4 that the simulation covers, put back (``tests.simulation.mutations``),
-  is caught within a bounded number of seeds.
+  and each defect the world-against-log invariants exist for (``tests.simulation.reality``) is
+  caught within a bounded number of seeds.
 """
 
 from __future__ import annotations

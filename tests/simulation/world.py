@@ -28,7 +28,7 @@ from workers.settings import Settings
 from workers.topology import policy_definition
 from workers.wire import CONTENT_TYPE, TYPE_CANCEL, TYPE_PROGRESS, TYPE_RESULT, TYPE_TASK, Names
 
-from .faults import ACTOR, FaultPlan, FaultyBroker, FaultyStore, Process, Trace
+from .faults import ACTOR, Chronicle, FaultPlan, FaultyBroker, FaultyStore, Process, Trace
 from .loop import EPOCH, Stalled, VirtualLoop
 from .scenario import Scenario, TaskSpec
 
@@ -106,6 +106,9 @@ class Observed:
     """Runs of each (task, pause), whatever their end."""
     storage_failures_injected: bool
     counters: dict[str, int] = field(default_factory=dict)
+    chronicle: Chronicle = field(default_factory=Chronicle)
+    """Every commit, every publish of a worker that reached the broker and every ack a worker
+    sent, in the order they happened."""
 
 
 class _Oracle:
@@ -152,7 +155,11 @@ class _Oracle:
         value = x * 10 if isinstance(x, int) else 0
         body: Any = {"status": "ok", "result": {"answer": value}}
         if behaviour == "error":
-            body = {"status": "error", "error": {"type": "oracle", "message": "no"}}
+            # half of them with a NUL the log cannot store: the call then fails at once (an
+            # unstorable-reply error) and the reply is dead-lettered. (Drawn last, so that every
+            # other behaviour draws what it drew before.)
+            message = "no\u0000" if rng.random() < 0.5 else "no"
+            body = {"status": "error", "error": {"type": "oracle", "message": message}}
         await self.world.send(reply_to, body, subtask, TYPE_RESULT, f"{subtask}/a")
         if behaviour in ("twice", "different"):
             await asyncio.sleep(rng.uniform(0, 3))
@@ -214,6 +221,7 @@ class _World:
         self.streams: dict[str, list[RecordedEvent]] = defaultdict(list)
         self.cursor = Position()
         self.reads: dict[str, list[tuple[float, int]]] = {}
+        self.chronicle = Chronicle()
         self.finishing = False
         self.own = self.broker.connection("simulation", reconnect_after=0.5)
 
@@ -384,9 +392,8 @@ class _World:
         process = Process(name, self.plan, self.trace)
         skew = self.scenario.skews[index] if "skew" in self.scenario.faults else 0.0
         connection = self.broker.connection(name, reconnect_after=self.rng.uniform(0.2, 3.0))
-        broker = FaultyBroker(connection, process)
-        connection.on_sent = lambda _: process.step("publish.after")
-        store = FaultyStore(self.store, process, self.latency, self.reads)
+        broker = FaultyBroker(connection, process, self.chronicle)
+        store = FaultyStore(self.store, process, self.latency, self.reads, self.chronicle)
         settings = _base_settings().model_copy(
             update={
                 "worker_id": name,
@@ -579,6 +586,7 @@ def _observe(world: _World, settled_at: float | None, stalled: str | None) -> Ob
         runs=dict(world.runs),
         storage_failures_injected=world.plan.storage_failure_rate > 0,
         counters=_counters(world),
+        chronicle=world.chronicle,
     )
 
 
