@@ -222,6 +222,11 @@ class InMemoryEventStore(EventStore):
                     row.refusals += 1
                     row.last_refusal = refused
 
+    async def replace_outbox(self, outbox_id: int, message: OutboxMessage) -> None:
+        row = self._outbox.get(outbox_id)
+        if row is not None:
+            row.message = copy.deepcopy(message)
+
     async def delete_outbox(self, ids: Sequence[int]) -> None:
         for outbox_id in ids:
             self._outbox.pop(outbox_id, None)

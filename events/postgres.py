@@ -228,6 +228,14 @@ _PENDING_OF_TASK = text(
 )
 
 _DELETE_OUTBOX = "DELETE FROM outbox WHERE id = ANY($1::bigint[])"
+_REPLACE_OUTBOX = text(
+    """
+    UPDATE outbox
+    SET message_id = :message_id, exchange = :exchange, routing_key = :routing_key,
+        properties = CAST(:properties AS jsonb), body = :body
+    WHERE id = :id
+    """
+)
 _OUTBOX_SIZE = text(
     """
     SELECT count(*) FROM outbox
@@ -626,6 +634,21 @@ class PostgresEventStore(EventStore):
         try:
             async with self.engine.connect() as connection:
                 await connection.execute(_RETRY_OUTBOX, params)
+        except Exception as error:
+            raise _translate(error) from error
+
+    async def replace_outbox(self, outbox_id: int, message: OutboxMessage) -> None:
+        params = {
+            "id": outbox_id,
+            "message_id": message.message_id,
+            "exchange": message.exchange,
+            "routing_key": message.routing_key,
+            "properties": dumps(message.properties).decode(),
+            "body": message.body,
+        }
+        try:
+            async with self.engine.connect() as connection:
+                await connection.execute(_REPLACE_OUTBOX, params)
         except Exception as error:
             raise _translate(error) from error
 

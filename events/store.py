@@ -27,7 +27,8 @@ Contract (the shared suite in ``tests/contract/test_event_store.py`` runs it aga
   message's own ``delay`` when that is longer (the writer publishes them itself first, and a
   claimed message's delay is spent); a claim leases rows for ``lease`` seconds so two relays
   do not publish the same row at once; ``retry_outbox`` gives leases back early, counting the
-  broker's refusals of each row; ``delete_outbox`` forgets published rows.
+  broker's refusals of each row; ``replace_outbox`` puts another message in a row's place;
+  ``delete_outbox`` forgets published rows.
   Each row belongs to the deployment (queue prefix) named by its events' metadata
   ``deployment``, as a pending call does: ``claim_outbox(deployment=d)`` and
   ``outbox_size(deployment=d)`` see only the rows of ``d`` and those of no deployment (written
@@ -160,6 +161,11 @@ class EventStore(abc.ABC):
     ) -> None:
         """Give the rows' leases back early: they are claimable again after ``delay`` seconds.
         With ``refused`` (why the broker refused them), each counts one more refusal."""
+
+    @abc.abstractmethod
+    async def replace_outbox(self, outbox_id: int, message: OutboxMessage) -> None:
+        """Put ``message`` in the row's place (its refusals and age stay the row's): what a
+        message that can never be sent is answered with instead, tried like any other row."""
 
     @abc.abstractmethod
     async def delete_outbox(self, ids: Sequence[int]) -> None: ...

@@ -38,7 +38,7 @@ FORGET_INTERVAL = 0.2
 REFUSED_BACKOFF = Backoff(initial=1.0, factor=2.0, maximum=60.0)
 """The wait before a refused row is tried again, by its number of refusals."""
 
-Undeliverable = Callable[[OutboxMessage, BrokerError], Awaitable[None]]
+Undeliverable = Callable[[OutboxMessage, BrokerError], Awaitable[OutboxMessage | None]]
 
 
 class OutboxPublisher:
@@ -64,7 +64,8 @@ class OutboxPublisher:
         """The relay takes only rows its deployment (queue prefix) wrote."""
         self.on_undeliverable = on_undeliverable
         """Acts on a committed message the broker will not take (dead-letters it, answers its
-        task); its row is forgotten once it returned, else a relay meets it again later."""
+        task); its row is forgotten once it returned, else a relay meets it again later. What it
+        returns (a result's error answer) takes the message's place in the row, tried anew."""
         self.refused_for = refused_for
         """Seconds a row the broker keeps refusing is tried before it is undeliverable."""
         self._publishing: set[asyncio.Task[None]] = set()
@@ -183,13 +184,18 @@ class OutboxPublisher:
         )
         if isinstance(error, Unroutable):
             self.observer.count("unroutable")
+        instead: OutboxMessage | None = None
         if self.on_undeliverable is not None:
             try:
-                await self.on_undeliverable(message, error)
+                instead = await self.on_undeliverable(message, error)
+                if instead is not None:
+                    await self.store.replace_outbox(row.id, instead)
+                    await self.store.retry_outbox([row.id], 0)
             except Exception as failure:
                 log.warning("message %s: could not act on it yet (%s)", message.message_id, failure)
                 return
-        self._forget(row.id)
+        if instead is None:
+            self._forget(row.id)
 
     def _forget(self, outbox_id: int) -> None:
         self._published.append(outbox_id)

@@ -317,9 +317,11 @@ class Worker:
             },
         )
 
-    async def _undeliverable(self, message: OutboxMessage, error: BrokerError) -> None:
+    async def _undeliverable(
+        self, message: OutboxMessage, error: BrokerError
+    ) -> OutboxMessage | None:
         """A committed message the broker will not take (``workers.flows.undeliverable``)."""
-        await handle_undeliverable(self.flows, message, error)
+        return await handle_undeliverable(self.flows, message, error)
 
     # ---- every delivery ----------------------------------------------------------------------
 

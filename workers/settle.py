@@ -56,6 +56,9 @@ from .wire import (
     HEADER_DETAIL,
     HEADER_QUEUE,
     HEADER_REASON,
+    HEADER_ROOT,
+    HEADER_TRACE,
+    HEADER_TRACEPARENT,
     HEADER_USER,
     HEADER_WAITS,
     MAX_ID_BYTES,
@@ -77,6 +80,7 @@ __all__ = [
     "requeue",
     "retry",
     "sent_again",
+    "unsendable_answer",
     "wait",
     "waits_of",
 ]
@@ -87,9 +91,9 @@ HEADER_WORKER = "x-waystation-worker"
 """On a dead letter: the worker that dead-lettered it."""
 CHANNEL_RETURN_WAIT = 10.0
 """Seconds an answer waits for the publishing channel to come back (the connection up)."""
-ANSWER_RETRIES = (0.2, 0.5, 1.0)
-"""Seconds between the tries of an answer the broker refuses, before it is kept as a dead
-letter (``Settler.answer_or_keep``)."""
+REFUSAL_RETRIES = (0.2, 0.5, 1.0)
+"""Seconds between the tries of a publish the broker refuses (a nack), in place, before the
+refusal is the caller's (``Settler._publish``)."""
 
 
 class Disposition(enum.Enum):
@@ -267,21 +271,34 @@ class Settler:
         except (Unroutable, Unsendable) as error:
             await self.keep_answer(message, error)
 
-    async def _publish(self, message: OutboxMessage) -> None:
-        """Publish ``message``, riding out the publishing channel coming back while the
-        connection stays up (RabbitMQ closes it when it refuses a message for its size, and
-        every publish under way on it fails with that): an answer lost to another message's
-        refusal must not make its handler run again."""
+    async def _publish(self, message: OutboxMessage, *, later: float = 0.0) -> None:
+        """Publish ``message`` (``later``: to arrive after that many seconds), riding out what
+        may pass in a moment: the publishing channel coming back while the connection stays up
+        (RabbitMQ closes it when it refuses a message for its size, and every publish under way
+        on it fails with that), and a refusal tried again a few times (:data:`REFUSAL_RETRIES`).
+        An answer or a copy lost to another message's refusal must not make a handler run
+        again, nor a delivery go back to its queue. Raises what remains."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + CHANNEL_RETURN_WAIT
+        refusals = iter(REFUSAL_RETRIES)
         while True:
             try:
-                await self.broker.publish(message)
+                if later > 0:
+                    await self.broker.publish_later(message, later)
+                else:
+                    await self.broker.publish(message)
                 return
+            except Unsendable:
+                raise
+            except PublishRefused:
+                pause = next(refusals, None)
+                if pause is None:
+                    raise
+                await asyncio.sleep(pause)
             except BrokerUnavailable:
                 if not self.broker.connected or loop.time() > deadline:
                     raise
-            await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)
 
     async def keep_answer(self, message: OutboxMessage, error: BrokerError) -> None:
         """Keep the answer ``message`` as a dead letter (:meth:`keep`); when it can never be
@@ -292,42 +309,23 @@ class Settler:
             await self._tell_unsendable(message, error)
 
     async def answer_or_keep(self, message: OutboxMessage) -> None:
-        """:meth:`answer`; one the broker keeps refusing (a full queue) is tried again a few
-        times in place, then kept as a dead letter (``refused``)."""
-        for delay in ANSWER_RETRIES:
-            try:
-                await self.answer(message)
-                return
-            except Unsendable:  # (answer raises it only when even keeping it failed)
-                raise
-            except PublishRefused as error:
-                refused = error
-            await asyncio.sleep(delay)
-        await self.keep(message, refused)
+        """:meth:`answer`; one the broker keeps refusing (a full queue) is kept as a dead letter
+        (``refused``) once the tries in place are spent."""
+        try:
+            await self.answer(message)
+        except Unsendable:  # (answer raises it only when even keeping it failed)
+            raise
+        except PublishRefused as refused:
+            await self.keep(message, refused)
 
     async def _tell_unsendable(self, message: OutboxMessage, error: PublishRefused) -> None:
         """The answer ``message`` can never be sent: its publisher gets an error result instead,
-        when that one can be (it is small; its queue may still refuse it)."""
-        if message.properties.get("type") != TYPE_RESULT:
+        when that one can be now (it is small; its queue may still refuse it)."""
+        instead = unsendable_answer(message, error)
+        if instead is None:
             return
         try:
-            body = loads(message.body)
-            task_id = body.get("task_id") if isinstance(body, dict) else None
-        except ValueError:
-            task_id = None
-        envelope = ResultEnvelope(
-            "error",
-            error={"type": "undeliverable-result", "message": f"{error.reason}: {error.detail}"},
-            task_id=task_id if isinstance(task_id, str) else None,
-        )
-        instead = result_message(
-            str(task_id or message.message_id),
-            message.routing_key,
-            message.properties.get("correlation_id"),
-            envelope,
-        )
-        try:
-            await self._publish(replace(instead, message_id=message.message_id))
+            await self._publish(instead)
         except BrokerError as failure:
             log.warning("could not tell %r that its answer is undeliverable: %s", instead, failure)
 
@@ -435,12 +433,8 @@ class Settler:
         if settled.failed_runs or settled.disposition is Disposition.RETRY:
             headers[HEADER_ATTEMPTS] = settled.failed_runs
         copy = _copy(delivery, delivery.queue, headers, exchange="", user_id=self.amqp_user)
-        delay = settled.delay
         try:
-            if delay > 0:
-                await self.broker.publish_later(copy, delay)
-            else:
-                await self.broker.publish(copy)
+            await self._publish(copy, later=settled.delay)
         except BrokerError as error:
             log.warning(
                 "could not send %s back (%s: %s); requeueing it",
@@ -500,6 +494,38 @@ class Settler:
                     result_message(task_id, delivery.reply_to, delivery.correlation_id, envelope)
                 )
         return True
+
+
+def unsendable_answer(message: OutboxMessage, error: PublishRefused) -> OutboxMessage | None:
+    """What a publisher is told instead of the result ``message``, which can never be sent as it
+    is (``error``): an error result under the same message id (None: ``message`` is no result)."""
+    if message.properties.get("type") != TYPE_RESULT:
+        return None
+    try:
+        body = loads(message.body)
+    except ValueError:
+        body = None
+    task_id = body.get("task_id") if isinstance(body, dict) else None
+    given = body.get("error") if isinstance(body, dict) else None
+    if isinstance(given, dict) and given.get("type") == "undeliverable-result":
+        return None  # it is the answer given instead already
+    envelope = ResultEnvelope(
+        "error",
+        error={"type": "undeliverable-result", "message": f"{error.reason}: {error.detail}"},
+        task_id=task_id if isinstance(task_id, str) else None,
+    )
+    instead = result_message(
+        str(task_id or message.message_id),
+        message.routing_key,
+        message.properties.get("correlation_id"),
+        envelope,
+        {k: v for k, v in (message.properties.get("headers") or {}).items() if k in _CARRIED},
+    )
+    return replace(instead, message_id=message.message_id)
+
+
+_CARRIED = (HEADER_ROOT, HEADER_TRACE, HEADER_TRACEPARENT)
+"""The headers an answer given instead keeps of the one it replaces."""
 
 
 def _reason_of(error: BrokerError) -> str:

@@ -446,6 +446,22 @@ class EventStoreContract:
         finally:
             await store.delete_outbox([mine])
 
+    async def test_a_rows_message_can_be_replaced_keeping_its_refusals(
+        self, store: EventStore
+    ) -> None:
+        result = await store.append(
+            new_stream(), 0, probes(1), prev_hash=GENESIS_HASH, outbox=[message()], outbox_delay=0
+        )
+        (mine,) = result.outbox_ids
+        instead = message("instead")
+        try:
+            await store.retry_outbox([mine], 0, refused="full")
+            await store.replace_outbox(mine, instead)
+            (entry,) = [e for e in await store.claim_outbox(limit=10_000) if e.id == mine]
+            assert entry.message == instead and entry.refusals == 1
+        finally:
+            await store.delete_outbox([mine])
+
     async def test_outbox_oldest_is_at_least_the_age_of_a_row_not_yet_deleted(
         self, store: EventStore
     ) -> None:

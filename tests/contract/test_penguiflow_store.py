@@ -137,6 +137,9 @@ class FaultyLog(EventStore):
     async def retry_outbox(self, *args: Any, **kwargs: Any) -> None:
         await self.inner.retry_outbox(*args, **kwargs)
 
+    async def replace_outbox(self, *args: Any, **kwargs: Any) -> None:
+        await self.inner.replace_outbox(*args, **kwargs)
+
     async def claim_expired_calls(self, *args: Any, **kwargs: Any) -> Any:
         return await self.inner.claim_expired_calls(*args, **kwargs)
 

@@ -46,6 +46,7 @@ __all__ = [
     "FaultyBroker",
     "FaultyStore",
     "Process",
+    "Refused",
     "Sent",
     "Trace",
 ]
@@ -90,12 +91,25 @@ class Trace:
 
 @dataclass(frozen=True, slots=True)
 class Sent:
-    """A publish of a worker that reached the broker (routed or not), ``seq``-th in the
-    chronicle."""
+    """A publish of a worker that the broker took (routed or not), ``seq``-th in the chronicle,
+    at the loop's time ``at``."""
 
     seq: int
     worker: str
     message: OutboxMessage
+    at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A publish of a worker that the broker refused (a nack, a size), ``seq``-th in the
+    chronicle, at the loop's time ``at``."""
+
+    seq: int
+    worker: str
+    message: OutboxMessage
+    reason: str
+    at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +120,10 @@ class Acked:
     seq: int
     worker: str
     delivery: Delivery
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()
 
 
 @dataclass
@@ -119,6 +137,7 @@ class Chronicle:
     commits: dict[int, int] = field(default_factory=dict)
     """Global position of each event committed, to its number."""
     sent: list[Sent] = field(default_factory=list)
+    refused: list[Refused] = field(default_factory=list)
     acked: list[Acked] = field(default_factory=list)
     seq: int = 0
 
@@ -132,7 +151,10 @@ class Chronicle:
             self.commits[event.global_position] = seq
 
     def publish(self, worker: str, message: OutboxMessage) -> None:
-        self.sent.append(Sent(self._next(), worker, message))
+        self.sent.append(Sent(self._next(), worker, message, _now()))
+
+    def refuse(self, worker: str, message: OutboxMessage, reason: str) -> None:
+        self.refused.append(Refused(self._next(), worker, message, reason, _now()))
 
     def ack(self, worker: str, delivery: Delivery) -> None:
         self.acked.append(Acked(self._next(), worker, delivery))
@@ -315,6 +337,11 @@ class FaultyStore(EventStore):
         await self.inner.retry_outbox(ids, delay, refused=refused)
         self._lost("claim")
 
+    async def replace_outbox(self, outbox_id: int, message: OutboxMessage) -> None:
+        await self._enter("claim")
+        await self.inner.replace_outbox(outbox_id, message)
+        self._lost("claim")
+
     async def claim_expired_calls(
         self, limit: int = 100, lease: float = 30.0, *, deployment: str | None = None
     ) -> list[ExpiredCall]:
@@ -341,11 +368,17 @@ class FaultyBroker(Broker):
         self.chronicle = chronicle
         process.connection = inner
         inner.on_sent = self._sent
+        inner.on_refused = self._refused
 
     def _sent(self, message: OutboxMessage) -> None:
         """The broker took a publish (its confirm is on its way back): noted, then the process
         may crash before the confirm arrives."""
         self.chronicle.publish(self.process.name, message)
+        self.process.step("publish.after")
+
+    def _refused(self, message: OutboxMessage, reason: str) -> None:
+        """The broker refused a publish (its nack is on its way back): noted, as above."""
+        self.chronicle.refuse(self.process.name, message, reason)
         self.process.step("publish.after")
 
     async def connect(self) -> None:

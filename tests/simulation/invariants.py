@@ -32,10 +32,13 @@ from events import RecordedEvent, canonical, fold
 from events.codec import loads
 from projections.audit import verify_stream
 from projections.model import FeedEvent, PausedTask, fold_paused_tasks
+from workers.outbox import REFUSED_BACKOFF
 from workers.sweeper import SWEEP_LEASE
+from workers.wire import HEADER_ATTEMPTS
 
-from . import reality
+from . import reality, refusals
 from .loop import EPOCH
+from .scenario import REFUSED_RETRY, TaskSpec
 from .world import RESULTS, SETTLE_BOUND, Observed
 
 TIMEOUT_SLACK = 10.0
@@ -109,18 +112,26 @@ def problems(observed: Observed) -> list[str]:
         streams[event.stream_id].append(event)
     if observed.settled_at is None:
         found.append("the run never settled (some task never answered, or messages never drained)")
-    elif observed.settled_at > max(observed.last_deadline, 0.0) + SETTLE_BOUND:
-        found.append(
-            f"settled only at +{observed.settled_at:.0f}s, past the last deadline "
-            f"(+{observed.last_deadline:.0f}s) plus {SETTLE_BOUND:.0f}s"
+    else:
+        # a publisher's full queue holds its answer back until it is drained, or, drained too
+        # late, until the refused answer is dead-lettered
+        held = max(
+            (d + REFUSED_RETRY + REFUSED_BACKOFF.maximum for d in observed.drained.values()),
+            default=0.0,
         )
+        bound = max(observed.last_deadline, held, 0.0) + SETTLE_BOUND
+        if observed.settled_at > bound:
+            found.append(
+                f"settled only at +{observed.settled_at:.0f}s, past the last deadline "
+                f"(+{observed.last_deadline:.0f}s) or drain plus {SETTLE_BOUND:.0f}s"
+            )
     for spec in scenario.tasks:
         if spec.gone:
             found.extend(_gone_problems(observed, spec.task_id))
         else:
-            found.extend(_task_problems(observed, spec.task_id, spec.agent, streams))
+            found.extend(_task_problems(observed, spec, streams))
         if spec.bad:
-            found.extend(_bad_problems(observed, spec.task_id, streams))
+            found.extend(_bad_problems(observed, spec, streams))
     found.extend(_worker_problems(observed, streams))
     found.extend(_timeout_problems(observed, streams))
     for stream_id, events in streams.items():
@@ -132,15 +143,19 @@ def problems(observed: Observed) -> list[str]:
     found.extend(_broker_problems(observed))
     found.extend(_projection_problems(observed, streams))
     found.extend(reality.problems(observed, streams))
+    found.extend(refusals.problems(observed, streams))
     return found
 
 
 def _task_problems(
-    observed: Observed, task_id: str, agent: str, streams: dict[str, list[RecordedEvent]]
+    observed: Observed, spec: TaskSpec, streams: dict[str, list[RecordedEvent]]
 ) -> list[str]:
     found: list[str] = []
+    task_id, agent = spec.task_id, spec.agent
     bodies = observed.results.get(task_id, [])
     if not bodies:
+        if _kept_as_refused(observed, spec):
+            return []  # its queue refused it for longer than the workers try: a dead letter
         return [f"{task_id}: its publisher never got a result"]
     distinct = {canonical(loads(body)) for body in bodies}
     events = streams.get(task_id, [])
@@ -161,7 +176,9 @@ def _task_problems(
         not events or events[0].event_type != "TaskStarted"
     )
     if answer["status"] != expected:
-        if not (cancelled_before_start and answer["status"] == "ok"):
+        if _too_large_for_the_broker(observed, spec, answer, expected):
+            pass  # its result was over the broker's limit: kept as a dead letter, and said so
+        elif not (cancelled_before_start and answer["status"] == "ok"):
             found.append(f"{task_id}: answered {answer['status']}, the log says {expected}")
         elif not _answered_before_the_cancel(observed, task_id, terminal):
             found.append(f"{task_id}: answered ok after its worker could see the cancel")
@@ -172,6 +189,33 @@ def _task_problems(
         if status == "cancelled" and terminal.event_type != "TaskCancelled":
             found.append(f"{task_id}: a cancel was told 'cancelled', the log says {expected}")
     return found
+
+
+def _kept_as_refused(observed: Observed, spec: TaskSpec) -> bool:
+    """Whether ``spec``'s answer was refused by its publisher's full queue for longer than the
+    workers try (``refused_retry_seconds``), and kept as a dead letter instead."""
+    return spec.task_id in observed.full_queues and any(
+        letter.properties.get("correlation_id") == spec.task_id
+        and letter.headers.get("x-waystation-reason") == "refused"
+        for letter in observed.dead_letters
+    )
+
+
+def _too_large_for_the_broker(
+    observed: Observed, spec: TaskSpec, answer: dict[str, Any], expected: str
+) -> bool:
+    """Whether ``spec`` completed with a result the workers may send and the broker refuses for
+    its size, which its publisher is told about (``undeliverable-result``) instead."""
+    limit = observed.scenario.broker_max_bytes
+    error = answer.get("error") if isinstance(answer.get("error"), dict) else {}
+    return (
+        expected == "ok"
+        and limit is not None
+        and spec.big > limit
+        and answer["status"] == "error"
+        and error.get("type") == "undeliverable-result"
+        and "too-large" in str(error.get("message"))
+    )
 
 
 def _gone_problems(observed: Observed, task_id: str) -> list[str]:
@@ -187,8 +231,9 @@ def _gone_problems(observed: Observed, task_id: str) -> list[str]:
 
 
 def _bad_problems(
-    observed: Observed, task_id: str, streams: dict[str, list[RecordedEvent]]
+    observed: Observed, spec: TaskSpec, streams: dict[str, list[RecordedEvent]]
 ) -> list[str]:
+    task_id = spec.task_id
     events = streams.get(task_id, [])
     terminal = next((e for e in reversed(events) if e.event_type in _TERMINAL), None)
     if terminal is None or terminal.event_type == "TaskCancelled":
@@ -200,6 +245,8 @@ def _bad_problems(
         return []
     if error.get("type") == "RuntimeError":
         return []  # its handler raised on every attempt before it could return the bad outcome
+    if error.get("type") == "Permanent" and spec.permanent:
+        return []  # its resumed run gave up before it could return the bad outcome
     if error.get("type") == "DeliveryLimitReached":
         # its workers died holding it past the crash limit before a run could fail it (whether
         # the returns were enough is checked with the workers: _worker_problems)
@@ -236,6 +283,23 @@ def _worker_problems(observed: Observed, streams: dict[str, list[RecordedEvent]]
         succeeded = runs - observed.failed_runs.get((task_id, pause), 0)
         if succeeded > again:
             found.append(f"{task_id}: its handler ran {succeeded} times at pause {pause}")
+    # a run that raised Permanent is never retried, whatever path it took (in place or not): no
+    # resume counting a failed run goes out for it, and it runs again only as any run may
+    retries: dict[str, list[tuple[float, int]]] = defaultdict(list)
+    for sent in observed.chronicle.sent:
+        failed = (sent.message.properties.get("headers") or {}).get(HEADER_ATTEMPTS)
+        if isinstance(failed, int):
+            retries[sent.message.message_id].append((sent.at, failed))
+    for (task_id, pause), raised_at in observed.permanent_raised.items():
+        runs = observed.runs.get((task_id, pause), 0)
+        if runs > again:
+            found.append(f"{task_id}: raised Permanent at pause {pause}, and ran {runs} times")
+        # a retry of that run is a resume counting failed runs as none sent before it did (a
+        # relay may send again one that was)
+        sent = retries.get(f"{task_id}:resume:{pause}", [])
+        before = {failed for at, failed in sent if at <= raised_at}
+        if any(at > raised_at and failed not in before for at, failed in sent):
+            found.append(f"{task_id}: raised Permanent at pause {pause}, and was retried")
     if returns <= 2 * observed.scenario.delivery_limit:
         for stream_id, events in streams.items():
             for event in events:
@@ -286,7 +350,8 @@ def _answered_before_the_cancel(observed: Observed, task_id: str, cancelled: Rec
     answers = [
         m
         for m in observed.published
-        if m.routing_key == RESULTS and m.properties.get("correlation_id") == task_id
+        if m.routing_key in (RESULTS, observed.full_queues.get(task_id))
+        and m.properties.get("correlation_id") == task_id
     ]
     if not answers or cancelled.recorded_at is None:
         return False
@@ -312,7 +377,8 @@ def _answered_then_cancelled_across_a_crash(
     answers = [
         m
         for m in observed.published
-        if m.routing_key == RESULTS and m.properties.get("correlation_id") == task_id
+        if m.routing_key in (RESULTS, observed.full_queues.get(task_id))
+        and m.properties.get("correlation_id") == task_id
     ]
     returned = any(
         m.delivery_count or m.acquired_count

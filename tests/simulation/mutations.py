@@ -19,10 +19,12 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import events.task
+import workers.broker
 import workers.flows
 import workers.flows.base
 import workers.flows.cancel
 import workers.flows.reply
+import workers.outbox
 import workers.recorder
 import workers.runtime
 import workers.settle
@@ -31,19 +33,25 @@ from events import (
     CancelledCall,
     DomainEvent,
     ExpiredCall,
+    InvalidTransition,
     OutboxMessage,
     ReplyIgnored,
     ResultRecorded,
     TaskCancelled,
+    TaskResumed,
     TaskState,
     decide_cancel,
+    decide_failure,
+    decide_outcome,
     decide_reply,
     decide_timeout,
+    fold,
     parse_subtask_id,
 )
+from events.chain import recorded_events
 from workers.agent import AgentSpec
 from workers.broker import Delivery
-from workers.flows.base import Flows
+from workers.flows.base import Flows, error_of, resume_context
 from workers.flows.reply import handle_reply
 from workers.flows.resume import handle_resume
 from workers.intake import Rejection
@@ -256,6 +264,90 @@ async def _answer_without_waiting(self: workers.settle.Settler, message: OutboxM
 _background: set[asyncio.Task[None]] = set()
 
 
+async def _relay_keeping_its_unsent(self: workers.outbox.OutboxPublisher) -> None:
+    """Issue 28 a: the relay before each row had a fate of its own. A row whose publish failed
+    for any reason but "unroutable" stayed in the relay's unsent list, which it retried alone,
+    never claiming another row, for as long as the broker said no."""
+    unsent: list[Any] = []
+    while True:
+        try:
+            entries = unsent or await self.store.claim_outbox(
+                limit=workers.outbox.RELAY_BATCH,
+                lease=workers.outbox.RELAY_LEASE,
+                deployment=self.deployment,
+            )
+            unsent = []
+            if entries:
+                errors = await self.broker.publish_all([e.message for e in entries])
+                for entry, error in zip(entries, errors, strict=True):
+                    if error is None:
+                        self._forget(entry.id)
+                    elif isinstance(error, workers.broker.Unroutable):
+                        await self._undeliverable(entry, error)
+                    else:
+                        unsent.append(entry)
+                if len(entries) == workers.outbox.RELAY_BATCH and not unsent:
+                    continue
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            logging.getLogger(__name__).warning("outbox relay: %s", error)
+        await asyncio.sleep(self.poll_interval)
+
+
+def _headers_as_they_came(headers: Any) -> dict[str, Any]:
+    """Issue 28 c: the copies of a delivery re-published its headers as decoded, which the
+    client library cannot always write again (a long string that was not UTF-8)."""
+    return dict(headers)
+
+
+async def _resume_in_place_handing_every_failure_over(
+    flows: workers.flows.base.Flows,
+    state: TaskState,
+    events: list[DomainEvent],
+    cause: Cause,
+    causation_key: str,
+) -> workers.recorder.Extension | None:
+    """Issue 28 e: a resumed run in place, before it followed its agent's policy. Anything it
+    raised but an invalid outcome was handed over to a resume message, to run again, whatever
+    the policy said (a ``Permanent`` error, ``retries=0``), and without its backoff."""
+    if not (flows.settings.resume_in_place and events and isinstance(events[-1], TaskResumed)):
+        return None
+    spec = flows.app.agents.get(state.agent or "")
+    if spec is None or spec.limited:
+        return None
+    decided_at = flows.clock()
+    own = flows.recorder.new_events(state, events, causation_key, cause)
+    resumed = fold(
+        state.task_id,
+        recorded_events(state.task_id, state.version, own, state.last_hash),
+        start=state,
+    )
+    try:
+        outcome = await flows.run_handler(spec, resume_context(spec, resumed))
+        following = decide_outcome(
+            resumed,
+            outcome,
+            now=flows.clock(),
+            default_timeout=flows.default_timeout(spec),
+            max_timeout=flows.settings.max_call_duration,
+            max_state_bytes=flows.settings.max_state_bytes,
+            max_value_bytes=flows.max_value_bytes,
+        )
+    except InvalidTransition as error:
+        failed = [*events, *decide_failure(resumed, error_of(error))]
+        return workers.recorder.Extension(
+            failed, checkpoint_started=None, resumed_at=decided_at, made=own
+        )
+    except Exception:
+        return workers.recorder.Extension(
+            events, checkpoint_started=None, resumed_at=None, failed_runs=1, made=own
+        )
+    return workers.recorder.Extension(
+        [*events, *following], checkpoint_started=None, resumed_at=decided_at, made=own
+    )
+
+
 MUTATIONS: dict[str, list[Patch]] = {
     # a: an outcome the log cannot store reached the commit
     "a-unstorable-outcome": [(events.task, "_require_storable", lambda value, what: None)],
@@ -317,6 +409,16 @@ MUTATIONS: dict[str, list[Patch]] = {
     "timeout-without-cancel": [(workers.recorder, "implied_messages", _no_cancel_on_timeout)],
     # G10 with G1: an answer published without waiting, after the ack
     "answer-after-ack": [(workers.settle.Settler, "answer", _answer_without_waiting)],
+    # issue 28 a: one refused outbox row stopped its worker's relay
+    "a-relay-stalls-on-a-refusal": [
+        (workers.outbox.OutboxPublisher, "relay", _relay_keeping_its_unsent)
+    ],
+    # issue 28 c: the copies of a delivery re-published headers the client cannot write
+    "c-copies-unsanitized": [(workers.settle, "sendable", _headers_as_they_came)],
+    # issue 28 e: a resumed run in place that raised Permanent ran again by resume message
+    "e-resume-in-place-ignores-the-policy": [
+        (workers.flows.reply, "_resume_in_place", _resume_in_place_handing_every_failure_over),
+    ],
 }
 
 

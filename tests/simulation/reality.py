@@ -62,8 +62,8 @@ from workers.wire import (
 
 from .faults import Acked, Sent
 from .loop import EPOCH
-from .scenario import TaskSpec
-from .world import CANCELS, GONE, PREFIX, RESULTS, Observed
+from .scenario import MAX_MESSAGE, TaskSpec
+from .world import CANCELS, FULL, GONE, PREFIX, RESULTS, Observed
 
 __all__ = ["problems"]
 
@@ -219,7 +219,7 @@ def _kind(message_type: str | None, queue: str, world: _World, message_id: str |
     if world.is_reply_queue(queue):
         message_type = message_type or TYPE_RESULT
         return {TYPE_RESULT: "reply", TYPE_PROGRESS: "progress"}.get(message_type, "other")
-    if queue in (RESULTS, CANCELS, GONE):
+    if queue in (RESULTS, CANCELS, GONE) or queue.startswith(FULL):
         return "answer"
     if queue in world.task_queues:
         message_type = message_type or TYPE_TASK
@@ -259,6 +259,8 @@ def _replies_end_in_the_log(world: _World) -> list[str]:
     for message in world.taken:
         if _kind(message.properties.get("type"), message.routing_key, world, None) != "reply":
             continue
+        if hostile_tag(message.body) is not None:
+            continue  # a hostile publisher's: dead-lettered, checked with the dead letters
         subtask = message.properties.get("correlation_id")
         message_id = message.properties.get("message_id")
         replies.add((subtask, message_id))
@@ -437,11 +439,23 @@ def _allowed(world: _World, letter: StoredMessage, kind: str, queue: str) -> str
     returns = _count(headers)
     crashes = crash_limit(world.limit)
     consumed = kind in ("task", "request", "resume", "cancel", "reply", "progress")
+    reason = headers.get(HEADER_REASON)
+    if hostile_tag(letter.body) in world.observed.hostile_sent:
+        if reason in HOSTILE_REASONS:
+            return None
+        return f"a hostile message dead-lettered as {reason!r}, not {sorted(HOSTILE_REASONS)}"
+    spec = world.specs.get(_task_of(letter, kind) or "") if kind != "answer" else None
+    if kind == "answer":
+        spec = world.specs.get(str(letter.properties.get("correlation_id")))
+        if reason == "refused" and spec is not None and queue.startswith(FULL):
+            return None  # its publisher let its queue stay full longer than the workers try
+        limit = world.scenario.broker_max_bytes
+        if reason == "too-large" and spec is not None and limit and spec.big > limit:
+            return None  # a result the workers may send and the broker refuses
     if headers.get("x-first-death-reason") == "delivery_limit":
         if consumed and returns > crashes + 1:
             return None
         return f"the broker's delivery limit, taken back {returns} times"
-    reason = headers.get(HEADER_REASON)
     detail = str(headers.get("x-waystation-detail", ""))
     if reason == "delivery-limit":
         if kind in ("cancel", "reply", "progress") and returns > crashes:
@@ -451,12 +465,14 @@ def _allowed(world: _World, letter: StoredMessage, kind: str, queue: str) -> str
         error_type = detail.split(":", 1)[0]
         if error_type == "DeliveryLimitReached":
             return None if returns > crashes else f"{detail}, taken back {returns} times"
-        spec = world.specs.get(_task_of(letter, kind) or "")
         if spec is None or kind == "request":
             return f"handler-failed ({detail}): its input never makes its handler fail"
         flaky = spec.fails > 0 and (spec.agent == "researcher" or world.scenario.has("handler"))
-        if (error_type == "RuntimeError" and flaky) or (
-            error_type == "InvalidTransition" and spec.bad is not None
+        if (
+            (error_type == "RuntimeError" and flaky)
+            or (error_type == "InvalidTransition" and spec.bad is not None)
+            or (error_type == "Permanent" and spec.permanent and world.scenario.has("handler"))
+            or (error_type == "MessageTooLarge" and spec.big > MAX_MESSAGE)
         ):
             return None
         return f"handler-failed ({detail}), not something {spec.task_id} can do"
@@ -465,6 +481,20 @@ def _allowed(world: _World, letter: StoredMessage, kind: str, queue: str) -> str
     if reason == "unstorable" and kind == "reply" and unstorable(_body(letter.body)) is not None:
         return None
     return f"the reason {reason!r} is not one this scenario can produce"
+
+
+HOSTILE_REASONS = frozenset({"undecodable-metadata", "invalid-json"})
+"""What a hostile message here is dead-lettered as: its metadata does not decode, or (a header
+that is not UTF-8, which decodes, on a body cut short) its body is not JSON."""
+
+
+def hostile_tag(body: bytes) -> str | None:
+    """The tag of a hostile publisher's message (``tests.simulation.hostile``), from its body,
+    JSON or cut short; None for any other message."""
+    marker = b'{"hostile": "'
+    if not body.startswith(marker):
+        return None
+    return body[len(marker) :].split(b'"', 1)[0].decode(errors="replace")
 
 
 def _task_of(letter: StoredMessage, kind: str) -> str | None:

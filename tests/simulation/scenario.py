@@ -17,7 +17,31 @@ Peer = Literal["researcher", "oracle"]
 Bad = Literal["nan", "inf", "nul", "deep", "object"]
 """Outcomes a handler can return that no log can store (defect a)."""
 
-FAULT_KINDS = ("crash", "storage", "drop", "duplicate", "latency", "skew", "cancel", "handler")
+FAULT_KINDS = (
+    "crash",
+    "storage",
+    "drop",
+    "duplicate",
+    "latency",
+    "skew",
+    "cancel",
+    "handler",
+    "refuse",
+    "hostile",
+)
+Hostile = Literal["not-utf8-id", "deep-headers", "odd-header-bad-json", "unknown-type-tag"]
+"""Metadata no client library should write, sent raw to an agent's queue (``hostile``)."""
+HOSTILE: tuple[Hostile, ...] = (
+    "not-utf8-id",
+    "deep-headers",
+    "odd-header-bad-json",
+    "unknown-type-tag",
+)
+REFUSED_RETRY = 60.0
+"""The workers' ``refused_retry_seconds`` here: a result refused longer is dead-lettered."""
+MAX_MESSAGE = 32 * 1024
+"""The workers' ``max_message_bytes`` here; a broker limit drawn below it makes some results
+sendable to the workers and not to the broker (``too-large``)."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +62,17 @@ class TaskSpec:
     """Seconds after the start when a canceller cancels it."""
     gone: bool = False
     """Its publisher's reply queue no longer exists when the answer comes (defect f)."""
+    full_until: float | None = None
+    """Its publisher's reply queue rejects publishes (``x-overflow: reject-publish``) and is full
+    until this many seconds after the start, when its publisher drains it (``refuse``)."""
+    big: int = 0
+    """Bytes of padding in its final result (``refuse``): over ``MAX_MESSAGE`` it fails at once
+    (``MessageTooLarge``); under it and over the broker's limit it is refused (``too-large``)."""
+    odd_header: bool = False
+    """Submitted raw, with a header that is a long string not UTF-8 (``hostile``): its copies (a
+    retry, a dead letter) must carry it."""
+    permanent: bool = False
+    """An orchestrator whose first resumed run raises ``Permanent``: it fails, never runs again."""
 
     @property
     def x(self) -> int:
@@ -62,9 +97,58 @@ class Scenario:
     """When a worker's broker connection drops (seconds after the start)."""
     duplicate_rate: float = 0.0
     skews: tuple[float, ...] = field(default=())
+    nack_rate: float = 0.0
+    """Share of publishes the broker nacks of itself (``refuse``)."""
+    broker_max_bytes: int | None = None
+    """The broker's ``max_message_size`` (``refuse``; None: no limit)."""
+    hostile: tuple[tuple[float, str, Hostile], ...] = ()
+    """Raw messages of hostile metadata: (when, to which agent's queue, what) (``hostile``)."""
 
     @classmethod
     def generate(cls, seed: int) -> Scenario:
+        scenario = cls._generate(seed)
+        # the broker saying no and hostile publishers, drawn from a generator of their own so
+        # that everything else each seed draws stays as it was
+        return scenario._with_refusals(random.Random(f"{seed}:refusals"))
+
+    def _with_refusals(self, rng: random.Random) -> Scenario:
+        refusing = rng.random() < 0.3
+        hostile = rng.random() < 0.25
+        tasks = tuple(
+            replace(
+                task,
+                full_until=(
+                    rng.choice((rng.uniform(3, 30), rng.uniform(70, 150)))
+                    if refusing and not task.gone and rng.random() < 0.25
+                    else None
+                ),
+                big=(
+                    rng.choice((20 * 1024, 40 * 1024))
+                    if refusing and task.agent == "orchestrator" and rng.random() < 0.15
+                    else 0
+                ),
+                odd_header=hostile and rng.random() < 0.3,
+                permanent=task.agent == "orchestrator" and bool(task.rounds) and rng.random() < 0.1,
+            )
+            for task in self.tasks
+        )
+        return replace(
+            self,
+            tasks=tasks,
+            nack_rate=rng.choice((0.0, 0.02, 0.1)) if refusing else 0.0,
+            broker_max_bytes=rng.choice((None, 16 * 1024)) if refusing else None,
+            hostile=tuple(
+                (
+                    rng.uniform(0, 20),
+                    rng.choice(("orchestrator", "researcher", "orchestrator.replies")),
+                    rng.choice(HOSTILE),
+                )
+                for _ in range(rng.randint(1, 4) if hostile else 0)
+            ),
+        )
+
+    @classmethod
+    def _generate(cls, seed: int) -> Scenario:
         rng = random.Random(seed)
         if rng.random() < 0.1:
             return cls._deadline_storm(seed, rng)

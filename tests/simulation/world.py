@@ -23,14 +23,17 @@ from events.memory import InMemoryEventStore
 from workers.agent import App, TaskContext
 from workers.broker import BrokerUnavailable, Delivery
 from workers.brokers.memory import InMemoryBroker, InMemoryConnection, StoredMessage
+from workers.policies import Permanent
 from workers.runtime import Worker
 from workers.settings import Settings
 from workers.topology import policy_definition
 from workers.wire import CONTENT_TYPE, TYPE_CANCEL, TYPE_PROGRESS, TYPE_RESULT, TYPE_TASK, Names
 
 from .faults import ACTOR, Chronicle, FaultPlan, FaultyBroker, FaultyStore, Process, Trace
+from .hostile import hostile_message, odd_headers
+from .hostile import properties as hostile_properties
 from .loop import EPOCH, Stalled, VirtualLoop
-from .scenario import Scenario, TaskSpec
+from .scenario import MAX_MESSAGE, REFUSED_RETRY, Hostile, Scenario, TaskSpec
 
 __all__ = ["Observed", "run"]
 
@@ -39,6 +42,9 @@ RESULTS = "sim.results"
 CANCELS = "sim.cancels"
 GONE = "sim.gone"
 """The reply queue of a publisher that left: no such queue exists."""
+FULL = "sim.full."
+"""The reply queues of publishers that let them fill (``x-overflow: reject-publish``), each
+holding one message until its publisher drains it."""
 QUIET_CHECK = 2.0
 QUIET_GRACE = 10.0
 """Virtual seconds a quiet world must stay quiet: late replies, duplicates, the relay."""
@@ -64,6 +70,8 @@ def _base_settings() -> Settings:
             max_call_duration=120.0,
             shutdown_grace=2.0,
             metrics_port=0,
+            max_message_bytes=MAX_MESSAGE,
+            refused_retry_seconds=REFUSED_RETRY,
         )
     return _BASE_SETTINGS
 
@@ -106,6 +114,14 @@ class Observed:
     """Runs of each (task, pause), whatever their end."""
     storage_failures_injected: bool
     counters: dict[str, int] = field(default_factory=dict)
+    full_queues: dict[str, str] = field(default_factory=dict)
+    """Each task whose publisher's reply queue was full for a while, to that queue."""
+    drained: dict[str, float] = field(default_factory=dict)
+    """When each of those queues was drained (virtual seconds after the start)."""
+    hostile_sent: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """Each hostile message's tag, to what it was and the queue it went to."""
+    permanent_raised: dict[tuple[str, int], float] = field(default_factory=dict)
+    """(task, pause) whose run raised ``Permanent``, to when it first did (loop time)."""
     chronicle: Chronicle = field(default_factory=Chronicle)
     """Every commit, every publish of a worker that reached the broker and every ack a worker
     sent, in the order they happened."""
@@ -197,6 +213,8 @@ class _World:
             rng=random.Random(f"{scenario.seed}:broker"),
             duplicate_rate=scenario.duplicate_rate if "duplicate" in faults else 0.0,
             keep_ledger=True,
+            nack_rate=scenario.nack_rate if "refuse" in faults else 0.0,
+            max_message_bytes=scenario.broker_max_bytes if "refuse" in faults else None,
         )
         self.plan = FaultPlan(
             storage_failure_rate=scenario.storage_failure_rate if "storage" in faults else 0.0,
@@ -222,6 +240,14 @@ class _World:
         self.cursor = Position()
         self.reads: dict[str, list[tuple[float, int]]] = {}
         self.chronicle = Chronicle()
+        self.full_queues: dict[str, str] = {}
+        """Each task whose publisher's reply queue is full for a while, to that queue."""
+        self.drained: dict[str, float] = {}
+        """When each of those queues was drained (virtual seconds after the start)."""
+        self.hostile_sent: dict[str, tuple[str, str]] = {}
+        """Each hostile message's tag, to what it was and the queue it went to."""
+        self.permanent_raised: dict[tuple[str, int], float] = {}
+        """(task, pause) whose run raised ``Permanent``, to when it first did (loop time)."""
         self.finishing = False
         self.own = self.broker.connection("simulation", reconnect_after=0.5)
 
@@ -240,6 +266,10 @@ class _World:
             if world.runs[(task.task_id, task.pause)] <= spec.get("fails", 0):
                 world.failed_runs[(task.task_id, task.pause)] += 1
                 raise RuntimeError(f"flaky run {world.runs[(task.task_id, task.pause)]}")
+            if spec.get("permanent") and task.pause == 1:
+                world.failed_runs[(task.task_id, task.pause)] += 1
+                world.permanent_raised.setdefault((task.task_id, task.pause), world.loop.time())
+                raise Permanent("no use trying again")
             if spec.get("slow"):
                 await asyncio.sleep(spec["slow"])
             total = int(task.state.get("total", 0))
@@ -268,6 +298,8 @@ class _World:
                     result = [result]
             elif bad == "object":
                 result["when"] = object()
+            if spec.get("big") and isinstance(result, dict):
+                result["pad"] = "x" * spec["big"]
             return Complete(result)
 
         @app.agent("researcher")
@@ -322,31 +354,78 @@ class _World:
     async def _collect(self, delivery: Delivery) -> None:
         await self.own.ack(delivery)
         task_id = delivery.correlation_id or ""
-        if delivery.queue == RESULTS:
+        if delivery.queue == RESULTS or delivery.queue.startswith(FULL):
             self.results[task_id].append(delivery.body)
         else:
             self.cancel_answers[task_id.removeprefix("cancel:")].append(loads(delivery.body))
 
+    def answered(self, spec: TaskSpec) -> bool:
+        """Whether ``spec``'s publisher got its answer, or can no longer get one: it left, or its
+        full queue refused the answer until it was dead-lettered (``refused``)."""
+        if spec.gone or spec.task_id in self.results:
+            return True
+        return spec.task_id in self.full_queues and any(
+            letter.properties.get("correlation_id") == spec.task_id
+            and letter.headers.get("x-waystation-reason") == "refused"
+            for letter in self.broker.messages(self.names.dead_letter_queue)
+        )
+
+    async def _drain(self, spec: TaskSpec) -> None:
+        """The publisher of a full reply queue comes back and drains it."""
+        assert spec.full_until is not None
+        await asyncio.sleep(spec.full_until)
+        queue = self.full_queues[spec.task_id]
+        self.trace("world", f"drain {queue}")
+        for message in self.broker.queues[queue].ready:
+            message.fate = "acked"  # (the blocker, taken by its publisher)
+        self.broker.queues[queue].ready.clear()
+        self.drained[spec.task_id] = self.loop.time() - self.start
+        await self.own.consume(queue, self._collect, prefetch=100)
+
+    async def _hostile(self, at: float, where: str, what: Hostile, tag: str) -> None:
+        """A publisher sends metadata no client library should write."""
+        await asyncio.sleep(at)
+        queue = f"{PREFIX}{where}"
+        body, properties = hostile_message(tag, what)
+        self.trace("world", f"hostile {what} {tag} -> {queue}")
+        self.hostile_sent[tag] = (what, queue)
+        self.broker.enqueue_raw(queue, body, properties)
+
     async def _submit(self, spec: TaskSpec) -> None:
         await asyncio.sleep(spec.at)
+        faults = self.scenario.faults
         if spec.agent == "researcher":
             body: Any = {"x": spec.x, "fails": spec.fails, "slow": spec.slow}
         else:
             body = {
                 "rounds": [[list(call) for call in calls] for calls in spec.rounds],
                 "timeout": spec.timeout,
-                "fails": spec.fails if "handler" in self.scenario.faults else 0,
+                "fails": spec.fails if "handler" in faults else 0,
                 "slow": spec.slow,
                 "bad": spec.bad,
+                "big": spec.big if "refuse" in faults else 0,
+                "permanent": spec.permanent and "handler" in faults,
             }
+        reply_to = GONE if spec.gone else self.full_queues.get(spec.task_id, RESULTS)
         self.trace("world", f"submit {spec.task_id}")
+        if spec.odd_header and "hostile" in faults:
+            # its publisher's library wrote a header no other can write back as it is
+            properties = hostile_properties(
+                message_id=spec.task_id.encode(),
+                correlation_id=spec.task_id.encode(),
+                reply_to=reply_to.encode(),
+                message_type=TYPE_TASK.encode(),
+                headers=odd_headers(),
+            )
+            self.broker.enqueue_raw(self.names.tasks(spec.agent), dumps(body), properties)
+            return
         await self.send(
             self.names.tasks(spec.agent),
             body,
             spec.task_id,
             TYPE_TASK,
             spec.task_id,
-            reply_to=GONE if spec.gone else RESULTS,
+            reply_to=reply_to,
         )
 
     async def _cancel(self, spec: TaskSpec) -> None:
@@ -438,7 +517,7 @@ class _World:
 
     def quiet(self) -> bool:
         """Every task answered, nothing queued, unsettled, unpublished or pending."""
-        if any(spec.task_id not in self.results for spec in self.scenario.tasks if not spec.gone):
+        if not all(self.answered(spec) for spec in self.scenario.tasks):
             return False
         for name, queue in self.broker.queues.items():
             if name != self.names.dead_letter_queue and queue.ready:
@@ -466,9 +545,18 @@ class _World:
         for index in range(self.scenario.workers):
             await self.start_worker(index)
         for spec in self.scenario.tasks:
+            if spec.full_until is not None and "refuse" in self.scenario.faults:
+                queue = f"{FULL}{spec.task_id}"
+                self.full_queues[spec.task_id] = queue
+                self.broker.declare_queue(queue, max_length=1)
+                self.broker.enqueue([queue], OutboxMessage("blocker", queue, b"{}"))
+                self.spawn(self._drain(spec))
             self.spawn(self._submit(spec))
             if spec.cancel_at is not None and "cancel" in self.scenario.faults:
                 self.spawn(self._cancel(spec))
+        if "hostile" in self.scenario.faults:
+            for n, (at, where, what) in enumerate(self.scenario.hostile):
+                self.spawn(self._hostile(at, where, what, f"h{self.scenario.seed}-{n}"))
         if "drop" in self.scenario.faults:
             for at in self.scenario.drops:
                 self.spawn(self._drop(at))
@@ -587,6 +675,10 @@ def _observe(world: _World, settled_at: float | None, stalled: str | None) -> Ob
         storage_failures_injected=world.plan.storage_failure_rate > 0,
         counters=_counters(world),
         chronicle=world.chronicle,
+        full_queues=dict(world.full_queues),
+        drained=dict(world.drained),
+        hostile_sent=dict(world.hostile_sent),
+        permanent_raised=dict(world.permanent_raised),
     )
 
 

@@ -359,6 +359,9 @@ class CommitOrderLog(EventStore):
     async def retry_outbox(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError
 
+    async def replace_outbox(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError
+
     async def claim_expired_calls(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 

@@ -364,7 +364,9 @@ class InMemoryConnection(Broker):
         self._running: dict[int, asyncio.Task[None]] = {}
         self._context = contextvars.copy_context()
         self.on_sent: Callable[[OutboxMessage], None] | None = None
-        """Called when a publish reached the broker and its confirm is on its way back."""
+        """Called when the broker took a publish and its confirm is on its way back."""
+        self.on_refused: Callable[[OutboxMessage, str], None] | None = None
+        """Called when the broker refused a publish (a nack, a size), with why."""
 
     async def _wait(self, step: str) -> None:
         await asyncio.sleep(self.broker.latency(step) if self.broker.latency else 0)
@@ -480,11 +482,10 @@ class InMemoryConnection(Broker):
             # (RabbitMQ closes the channel it came on: the AMQP backend sends a large message
             # on a channel of its own, so that this costs it alone)
             self.broker.refused += 1
-            raise Unsendable(
-                message.message_id,
-                f"message size {len(message.body)} is larger than the broker's maximum {limit}",
-                reason="too-large",
-            )
+            detail = f"message size {len(message.body)} is larger than the broker's maximum {limit}"
+            if self.on_refused is not None:
+                self.on_refused(message, detail)
+            raise Unsendable(message.message_id, detail, reason="too-large")
         queues = self.broker.route(message.exchange, message.routing_key)
         refused = self.broker.refusal(queues, message) if queues else None
         if refused is None and queues:
@@ -495,7 +496,10 @@ class InMemoryConnection(Broker):
                 self.broker.enqueue_later(queues, message, delay)
         elif refused is not None:
             self.broker.refused += 1
-        if self.on_sent is not None:
+        if refused is not None:
+            if self.on_refused is not None:
+                self.on_refused(message, refused)
+        elif self.on_sent is not None:
             self.on_sent(message)
         await self._wait("confirm")
         if not self._up or self._epoch != epoch:

@@ -13,7 +13,9 @@ terminal answer where one can still be given:
   when its queue is gone, or full);
 * anything else (a cancel for a peer, an answer): the dead letter alone.
 
-The outbox forgets the row only once this is done (:func:`handle_undeliverable` returned).
+The outbox forgets the row only once this is done (:func:`handle_undeliverable` returned); a
+result's error answer takes its place in the row instead, and is tried like any other message
+(its publisher's queue may refuse it for a while too).
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from typing import Any
 from events import OutboxMessage, decide_failure, decide_reply, parse_subtask_id
 from events.codec import loads
 
-from ..broker import BrokerError, PublishRefused, Unroutable
+from ..broker import BrokerError, PublishRefused, Unroutable, Unsendable
 from ..recorder import Cause
-from ..wire import TYPE_RESULT, TYPE_RESUME, TYPE_TASK
+from ..settle import unsendable_answer
+from ..wire import TYPE_RESUME, TYPE_TASK
 from .base import Flows
 
 __all__ = ["handle_undeliverable"]
@@ -41,8 +44,11 @@ def _error_of(error: BrokerError) -> dict[str, str]:
     return {"type": reason, "message": f"the request could not be sent: {error}"[:2000]}
 
 
-async def handle_undeliverable(flows: Flows, message: OutboxMessage, error: BrokerError) -> None:
-    """Keep ``message`` as a dead letter and give its task its answer (see the module)."""
+async def handle_undeliverable(
+    flows: Flows, message: OutboxMessage, error: BrokerError
+) -> OutboxMessage | None:
+    """Keep ``message`` as a dead letter and give its task its answer (see the module); the
+    message to send in its place, if any (a result's error answer)."""
     properties = message.properties
     kind = properties.get("type")
     subtask = properties.get("correlation_id")
@@ -50,11 +56,10 @@ async def handle_undeliverable(flows: Flows, message: OutboxMessage, error: Brok
         await _fail_call(flows, subtask, _error_of(error))
     elif kind == TYPE_RESUME:
         await _fail_resumed(flows, message, error)
-    if kind == TYPE_RESULT:
-        # the answer itself: kept, and its publisher told when that can be
-        await flows.settler.keep_answer(message, error)
-    else:
-        await flows.settler.keep(message, error)
+    await flows.settler.keep(message, error)
+    if isinstance(error, Unsendable):
+        return unsendable_answer(message, error)
+    return None
 
 
 async def _fail_call(flows: Flows, subtask: str, error: dict[str, str]) -> None:
