@@ -577,7 +577,8 @@ class RawClient:
                 return None
             if isinstance(method, pamqp.commands.Basic.GetOk):
                 header, body = await self._content(channel)
-                self._send(channel, pamqp.commands.Basic.Ack(delivery_tag=method.delivery_tag))
+                tag = int(method.delivery_tag or 0)
+                self._send(channel, pamqp.commands.Basic.Ack(delivery_tag=tag))
                 _, properties = read_content_header(header)
                 return Letter(header, properties, body)
 
@@ -594,7 +595,7 @@ class RawClient:
 
 def _method_bytes(method: Any) -> bytes:
     """A method frame's payload: its class and method ids, then its arguments (pamqp)."""
-    return U32.pack(method.index) + method.marshal()
+    return U32.pack(method.index) + bytes(method.marshal())
 
 
 _CLOSES = {

@@ -46,7 +46,17 @@ from ..harness.processes import WorkerProcess
 from .amqp import Letter, RawClient, Verdict
 from .messages import Draft, Message
 
-__all__ = ["AGENT", "APP", "Campaign", "Outcome", "Target", "summary"]
+__all__ = [
+    "AGENT",
+    "APP",
+    "Campaign",
+    "LogRecord",
+    "Outcome",
+    "Target",
+    "as_json",
+    "report_failures",
+    "summary",
+]
 
 APP = "tests.apps.fuzz_target:app"
 AGENT = "echo"
@@ -239,7 +249,7 @@ class Outcome:
     """``ran``, ``ran twice``, ``dead-lettered (<reason>)``, ``refused by the broker``, or
     empty when none was found."""
     problems: list[str] = field(default_factory=list)
-    log: list[str] = field(default_factory=list)
+    log: list[LogRecord] = field(default_factory=list)
     """The worker's log records about the problems (a connection dropped, a delivery left
     unsettled)."""
     seconds: float = 0.0
@@ -270,14 +280,33 @@ class Outcome:
     def kinds(self) -> list[str]:
         """The kinds of what went wrong, with the exceptions of the log, for grouping."""
         found = {problem.split(":")[0] for problem in self.problems}
-        errors = {_generic(record.split(" [", 1)[1]) for record in self.log if " [" in record}
+        errors = {_generic(record.error) for record in self.log if record.error}
         return sorted(found | errors)
+
+
+_KINDS = (
+    (re.compile(r"'utf-8' codec can't decode .*"), "not UTF-8"),
+    (
+        re.compile(r"TypeError: .*Unknown type: <class '(\w+)'>.*"),
+        r"TypeError: pamqp cannot write \1",
+    ),
+    (re.compile(r"year -?\d+ is out of range"), "year out of range"),
+)
 
 
 def _generic(text: str) -> str:
     """An exception's text with its particulars (numbers, bytes, quoted values) taken out."""
+    kinds: list[str] = []  # (kept whole: put back after the particulars are out)
+    for pattern, kind in _KINDS:
+        found = pattern.search(text)
+        if found:
+            kinds.append(found.expand(kind))
+            text = text[: found.start()] + "\x00" + text[found.end() :]
     text = re.sub(r"b'[^']*'|'[^']*'|\"[^\"]*\"", "…", text)
-    return re.sub(r"\d+", "N", text).rstrip("]")[:200]
+    text = re.sub(r"\d+", "N", text)
+    for kind in kinds:
+        text = text.replace("\x00", kind, 1)
+    return text[:200]
 
 
 _FUZZ_ID = re.compile(rb'"(fz[0-9a-f]{6}-\d+)"')
@@ -323,6 +352,16 @@ class Campaign:
         self._reader = RawClient(settings.amqp_url, name="waystation frame fuzzer: dead letters")
         self._client: Client | None = None
         self._probes = 0
+
+    @property
+    def publisher_connections(self) -> int:
+        """Connections the hostile publisher opened: one, and one after each the broker
+        closed."""
+        return self._publisher.connections_opened
+
+    @property
+    def worker_starts(self) -> int:
+        return self.target.starts
 
     def fuzz_id(self, number: int) -> str:
         return f"fz{self.token}-{number}"
@@ -485,7 +524,7 @@ class Campaign:
             outcome.problems.append(
                 f"delivery never settled: its handling raised out of the worker ({raised[0]})"
             )
-        outcome.log = [str(r) for r in (dropped + raised)]
+        outcome.log = dropped + raised
 
     # ---- the end ----
 
@@ -515,7 +554,10 @@ class Campaign:
 
 
 def _verdict_kind(verdict: Verdict) -> str:
-    return _generic(str(verdict)) if verdict.code is not None else verdict.outcome
+    """A verdict with what the broker quoted back (any bytes, quotes included) taken out."""
+    if verdict.code is None:
+        return verdict.outcome
+    return re.sub(r"\d+", "N", re.sub(r"'.*", "…", str(verdict)))[:160]
 
 
 def summary(outcomes: Sequence[Outcome]) -> str:
@@ -554,7 +596,7 @@ def as_json(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
             "accepted": o.verdict.accepted,
             "fate": o.fate,
             "problems": o.problems,
-            "log": o.log,
+            "log": [str(record) for record in o.log],
             "seconds": round(o.seconds, 3),
             "saved": str(o.saved) if o.saved else None,
         }

@@ -372,27 +372,47 @@ def lying_values() -> st.SearchStrategy[Value]:
     ).map(lambda t: lie(*t))
 
 
+def weighted(*choices: tuple[int, st.SearchStrategy[Any]]) -> st.SearchStrategy[Any]:
+    """One of the strategies, each drawn about ``weight`` times in the sum of the weights (a
+    plain ``one_of`` draws its branches about as often each)."""
+    total = sum(weight for weight, _ in choices)
+
+    def pick(number: int) -> st.SearchStrategy[Any]:
+        for weight, strategy in choices:
+            if number < weight:
+                return strategy
+            number -= weight
+        raise AssertionError(number)
+
+    return st.integers(0, total - 1).flatmap(pick)
+
+
 def keys() -> st.SearchStrategy[bytes]:
-    return st.one_of(
-        st.sampled_from(
-            [
-                b"k",
-                b"dup",  # drawn often: tables with this key twice
-                b"x-waystation-attempts",
-                b"x-waystation-waits",
-                b"x-waystation-trace-id",
-                b"x-waystation-root-task",
-                b"x-waystation-reason",
-                b"traceparent",
-                b"x-delivery-count",
-                b"x-acquired-count",
-                b"x-death",
-            ]
+    """Table keys: the headers Waystation and RabbitMQ read, and any others; sometimes empty,
+    not UTF-8, or longer than the 128 bytes pamqp writes."""
+    return weighted(
+        (
+            40,
+            st.sampled_from(
+                [
+                    b"k",
+                    b"dup",  # drawn often: tables with this key twice
+                    b"x-waystation-attempts",
+                    b"x-waystation-waits",
+                    b"x-waystation-trace-id",
+                    b"x-waystation-root-task",
+                    b"x-waystation-reason",
+                    b"traceparent",
+                    b"x-delivery-count",
+                    b"x-acquired-count",
+                    b"x-death",
+                ]
+            ),
         ),
-        st.text(max_size=20).map(str.encode),
-        st.just(b""),
-        not_utf8(40),
-        st.integers(129, 255).map(lambda n: b"K" * n),  # pamqp cuts keys to 128 bytes on write
+        (40, st.text(max_size=20).map(str.encode)),
+        (5, st.just(b"")),
+        (8, not_utf8(40)),
+        (7, st.integers(129, 255).map(lambda n: b"K" * n)),  # pamqp writes 128 bytes of them
     )
 
 
@@ -440,10 +460,13 @@ def deep_values() -> st.SearchStrategy[Value]:
 
 
 def field_values() -> st.SearchStrategy[Value]:
-    return st.one_of(
-        st.recursive(scalar_values(), container_values, max_leaves=8),
-        deep_values(),
-        lying_values(),
+    """Any field value; a long string that is not UTF-8 (which pamqp reads as ``bytes``) more
+    often than the other scalars, lies seldom (the broker refuses them)."""
+    return weighted(
+        (60, st.recursive(scalar_values(), container_values, max_leaves=8)),
+        (15, not_utf8(200).map(lambda raw: (b"S" + longstr(raw), f"S {_string(raw)}"))),
+        (15, deep_values()),
+        (10, lying_values()),
     )
 
 
@@ -459,13 +482,16 @@ def header_tables() -> st.SearchStrategy[Value]:
         claimed = max(0, len(raw) - 4 + delta)
         return U32.pack(claimed) + raw[4:], f"{what}, its length saying {claimed}"
 
-    return st.one_of(
-        st.lists(st.tuples(keys(), field_values()), max_size=6).map(_entries),
-        st.integers(200, 5000).map(huge),
-        st.builds(
-            lying,
-            st.lists(st.tuples(keys(), scalar_values()), min_size=1, max_size=3),
-            st.one_of(st.integers(-8, -1), st.integers(1, 100)),
+    return weighted(
+        (80, st.lists(st.tuples(keys(), field_values()), max_size=4).map(_entries)),
+        (10, st.integers(200, 5000).map(huge)),
+        (
+            10,
+            st.builds(
+                lying,
+                st.lists(st.tuples(keys(), scalar_values()), min_size=1, max_size=3),
+                st.one_of(st.integers(-8, -1), st.integers(1, 100)),
+            ),
         ),
     )
 

@@ -11,7 +11,7 @@ tables nested thousands deep, unknown type tags, lengths that lie, flag words be
   unsettled, and its log says nothing of a dropped connection or a delivery left unsettled;
 
 and at the end the task queue is empty. The hypothesis run is derandomized, so every run sends
-the same messages (``scripts/fuzz --examples 40 --only K`` sends example K again); the known
+the same messages (``scripts/fuzz --examples 60 --only K`` sends example K again); the known
 triggers are fixed cases. ``scripts/fuzz`` runs the same code for as long as you like.
 """
 
@@ -27,21 +27,25 @@ import pytest_asyncio
 import migrations
 from workers.settings import Settings
 
-from ..fuzz.campaign import AGENT, Campaign, Outcome, summary
+from ..fuzz.campaign import AGENT, Campaign, Outcome, report_failures, summary
 from ..fuzz.messages import FIXED, drafts
 from ..harness.database import fresh_database_url
 from ..support import Services, require
 
 pytestmark = pytest.mark.integration
 
-EXAMPLES = 40
-"""Hypothesis examples of the bounded run: about 30 s here (rabbitmqctl after each)."""
+EXAMPLES = 60
+"""Hypothesis examples of the bounded run: about 30 s here (a rabbitmqctl call after each)."""
 
 
 def explain(outcomes: list[Outcome], end: list[str]) -> str:
-    failed = "\n\n".join(o.report() for o in outcomes if not o.ok)
+    replays = "".join(
+        f"\n{o.label}: scripts/fuzz --examples {EXAMPLES} --only {o.label[1:]}"
+        for o in outcomes
+        if not o.ok and o.label.startswith("#")
+    )
     at_end = "".join(f"\nat the end: {problem}" for problem in end)
-    return f"{failed}{at_end}\n\n{summary(outcomes)}"
+    return f"{report_failures(outcomes)}{at_end}{replays}\n\n{summary(outcomes)}"
 
 
 @pytest_asyncio.fixture
