@@ -112,11 +112,14 @@ async def run(args: argparse.Namespace, workdir: Path) -> int:
             stop_at_first_failure=args.stop_at_first_failure,
             say=lambda line: print(line, flush=True),
         ) as campaign:
-            for number, (label, message, key) in enumerate(plan):
+            for position, (label, message, key) in enumerate(plan):
                 kind, _, name = key.partition(":")
                 if message is None:
-                    draft = sequence[int(name)] if kind == "draft" else FIXED[name]
-                    message = campaign.message(draft, number)
+                    # (example K's fuzz id ends in K, as in the run --only picked it from)
+                    if kind == "draft":
+                        message = campaign.message(sequence[int(name)], int(name))
+                    else:
+                        message = campaign.message(FIXED[name], len(sequence) + position)
                 await campaign.send(message, label)
                 if campaign.stopped:
                     break
