@@ -315,9 +315,9 @@ _FUZZ_ID = re.compile(rb'"(fz[0-9a-f]{6}-\d+)"')
 class Campaign:
     """Hostile messages sent one at a time to a worker of the fuzz app, each checked.
 
-    ``say`` gets a line per message (and the failures in full); ``stop_at_first_failure``
-    ends :meth:`send` calls' use after one failed (:attr:`stopped`); otherwise a failure puts a
-    new worker on fresh queues and the campaign goes on.
+    ``say`` gets a line per message (and the failures in full). After a failure the campaign
+    puts a new worker on fresh queues and goes on; with ``stop_at_first_failure`` it stops
+    instead (:attr:`stopped`: send nothing more), leaving the broken worker as it is.
     """
 
     def __init__(
@@ -433,10 +433,11 @@ class Campaign:
         unsettled (the fate will not come)."""
         deadline = time.monotonic() + self.fate_within
         while True:
+            await self._read_letters()
+            # (the runs after the letters: a run's result may be a dead letter too, unroutable)
             runs = self.target.runs(message.fuzz_id)
             if runs >= message.runs_wanted:
                 return "ran" if runs == 1 else f"ran {runs} times"
-            await self._read_letters()
             for letter in self.letters.get(message.fuzz_id, []):
                 reason = letter.header_text(HEADER_REASON)
                 if reason:

@@ -685,8 +685,27 @@ FIXED: dict[str, Draft] = {
     "header: table key not UTF-8": _task(
         _header(b"k\xff\xfe", b"S" + longstr(b"v"), "S 'v' under a key not UTF-8")
     ),
+    # found by the fuzzer
     "timestamp past year 9999": _task(
         ("timestamp", U64.pack(2**64 - 1), "18446744073709551615 (pamqp: year 584556019)")
     ),
+    "header: timestamp past year 9999": _task(
+        _header(b"when", b"T" + U64.pack(2**64 - 1), "T (timestamp) 18446744073709551615")
+    ),
+    "header: arrays nested 600 deep, dead-lettered (invalid JSON)": _task(
+        _header(b"deep", nested(600, b"V", container=b"A"), "arrays nested 600 deep"),
+        body="invalid-json",
+    ),
+    "flags: continuation bit without a second flag word": replace(
+        _task(
+            ("expiration", shortstr(b"600000"), _string(b"600000")),
+            ("type", shortstr(b"task"), _string(b"task")),
+            ("cluster_id", shortstr(b"c"), _string(b"c")),
+        ),
+        bend=Bend("continuation"),
+    ),
 }
-"""The known triggers: a fixed message each (``scripts/fuzz --fixed`` sends them too)."""
+"""The known triggers: a fixed message each (``scripts/fuzz`` sends them after the drawn ones).
+The first seven were known; the fuzzer found the others (a timestamp pamqp cannot read, as a
+property or in the headers; arrays that decode but are too deep to encode again for the dead
+letter; the continuation bit, which RabbitMQ ignores and passes on, and pamqp obeys)."""

@@ -35,7 +35,7 @@ from ..support import Services, require
 pytestmark = pytest.mark.integration
 
 EXAMPLES = 60
-"""Hypothesis examples of the bounded run: about 30 s here (a rabbitmqctl call after each)."""
+"""Hypothesis examples of the bounded run: about 25 s here (a rabbitmqctl call after each)."""
 
 
 def explain(outcomes: list[Outcome], end: list[str]) -> str:
