@@ -615,9 +615,3 @@ def _method_of(data: bytes) -> Any:
     text, at = _short_at(data, 13, len(data) - 1)
     class_id, method_id = struct.unpack_from(">HH", data, at)
     return close(code, text.decode(errors="backslashreplace"), class_id, method_id)
-
-
-def describe_bytes(raw: bytes, limit: int = 48) -> str:
-    """``raw`` for people: its length and a repr of its start."""
-    shown = repr(raw[:limit]) + ("..." if len(raw) > limit else "")
-    return f"{len(raw)} bytes {shown}"
