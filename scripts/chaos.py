@@ -406,6 +406,12 @@ class Chaos:
         self.hostile: list[HostileSent] = []
         self.outbox_oldest_max = 0.0
         self.outbox_oldest_last: float | None = None
+        self.outbox_oldest_window_end: float | None = None
+        """When the last result of the window came (only rows still refused, or stragglers)."""
+        self.outbox_oldest_end: float | None = None
+        """Once settled (none: 0)."""
+        self.left: dict[str, int] = {}
+        """What was still waiting (outbox rows, messages per queue) when settling ended."""
         self.counters: dict[str, dict[str, dict[str, float]]] = {}
         """Per process, its counters as last read from its /metrics (by counter, by label)."""
         self.broker_limit_seen: set[int] = set()
@@ -569,7 +575,9 @@ class Chaos:
         ]
         try:
             await self.follow(submitter, injector, background[0])
+            self.outbox_oldest_window_end = await self.outbox_oldest()
             await self.settle()
+            self.outbox_oldest_end = await self.outbox_oldest()
         finally:
             for task in (submitter, injector, *background, *self.drainers):
                 if not task.done():
@@ -980,8 +988,8 @@ class Chaos:
                 return
             await asyncio.sleep(0.5)
             state = await self.pending()
+            self.left = state
             if never_drained and "outbox" not in state and await self.never_drained_finished():
-                self.outbox_oldest_last = 0.0
                 self.say(
                     f"the outbox is empty: draining {NEVER_DRAINED} (at "
                     f"{self.elapsed():.0f}s; its results were refused since)"
@@ -993,7 +1001,6 @@ class Chaos:
                 continue
             quiet = quiet + 1 if not state and not never_drained else 0
         self.settled = True
-        self.outbox_oldest_last = 0.0
         self.say("settled: the outbox and every queue are empty, nothing unacked")
 
     async def never_drained_finished(self) -> bool:
@@ -1049,6 +1056,8 @@ class Chaos:
                 )
             ).all()
         failing = [t for t, kind in self.kinds.items() if kind == "over-worker"]
+        finished = {r[0] for r in rows if r[1] in ("TaskCompleted", "TaskFailed", "TaskCancelled")}
+        unfinished = [t for t in inputs if t not in finished]
         log = log_figures(
             list(inputs), [(r[0], r[1], r[2], r[3], r[4]) for r in rows], K, ROUNDS, failed=failing
         )
@@ -1122,7 +1131,8 @@ class Chaos:
             },
             "outbox_oldest_s": {
                 "max_seen": round(self.outbox_oldest_max, 1),
-                "at_end": self.outbox_oldest_last,
+                "when_the_window_was_answered": _rounded(self.outbox_oldest_window_end),
+                "at_end": _rounded(self.outbox_oldest_end),
             },
             "hostile": hostile.to_json(),
             "log": {"events_in_log": len(rows), **log.to_json()},
@@ -1142,6 +1152,11 @@ class Chaos:
                 "counted_by_workers": self.counter_totals("dead_letters"),
             },
             "settled": self.settled,
+            "left_unsettled": self.left,
+            "lost": len(answers.missing) + len(hostile.missing),
+            "stuck": len(unfinished) + (paused_left or 0),
+            "unsettled": sum(self.left.values()) if not self.settled else 0,
+            "tasks_unfinished_in_the_log": len(unfinished),
             "broker_max_message_size_seen": sorted(self.broker_limit_seen),
             "faults": self.faults,
             "faults_injected": dict(Counter(f["kind"] for f in self.faults)),
@@ -1364,12 +1379,20 @@ def _stats_counters(logs: Path) -> dict[str, int]:
     return dict(sorted(stats_counters(sorted(logs.glob("w*.stats.json"))).items()))
 
 
+def _left(figures: dict[str, Any]) -> str:
+    return f": {figures['left_unsettled']}" if figures["unsettled"] else ""
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 1)
+
+
 def _seconds(age: float | None) -> str:
     return "empty" if not age else f"{age:.1f}s"
 
 
-def _reasons(reasons: dict[str, int]) -> str:
-    return ", ".join(f"{reason} {count}" for reason, count in sorted(reasons.items())) or "none"
+def _reasons(reasons: dict[str, Any]) -> str:
+    return ", ".join(f"{reason} {count:g}" for reason, count in sorted(reasons.items())) or "none"
 
 
 def print_figures(figures: dict[str, Any], failures: list[str], elapsed: float) -> None:
@@ -1404,7 +1427,21 @@ def print_figures(figures: dict[str, Any], failures: list[str], elapsed: float) 
             f"{results['answered_by_dead_letter']} by their dead letter); "
             f"{results['messages']} result messages",
         ),
-        ("missing answers (lost)", results["missing"]),
+        (
+            "lost",
+            f"{figures['lost']} ({results['missing']} tasks without an answer, "
+            f"{hostile['missing']} hostile messages taken and never dead-lettered)",
+        ),
+        (
+            "stuck",
+            f"{figures['stuck']} ({figures['tasks_unfinished_in_the_log']} tasks unfinished in "
+            f"the log, {figures['paused_tasks_left']} left paused)",
+        ),
+        (
+            "unsettled",
+            f"{figures['unsettled']} (messages in queues, delivered and unacked, or in the "
+            f"outbox at the end{_left(figures)})",
+        ),
         ("wrong answers", results["wrong"]),
         (
             "duplicate results",
@@ -1421,14 +1458,14 @@ def print_figures(figures: dict[str, Any], failures: list[str], elapsed: float) 
         ),
         (
             "publishes refused",
-            f"{sum(refusals['metrics'].values()):.0f} by the workers' metrics "
-            f"{refusals['metrics'] or ''} ({refusals['stats_of_clean_exits']} in the stats of "
-            "clean exits)".replace("  ", " "),
+            f"{sum(refusals['metrics'].values()):.0f} ({_reasons(refusals['metrics'])}; "
+            "waystation_publish_refusals_total of every worker)",
         ),
         (
             "outbox oldest row",
-            f"{oldest['max_seen']:.1f}s at most (sampled every {SAMPLE_EVERY:.0f}s); at the "
-            f"end {_seconds(oldest['at_end'])}",
+            f"{oldest['max_seen']:.1f}s at most (sampled every {SAMPLE_EVERY:.0f}s); "
+            f"{_seconds(oldest['when_the_window_was_answered'])} when the window was answered, "
+            f"{_seconds(oldest['at_end'])} at the end",
         ),
         (
             "oversized results",

@@ -93,6 +93,7 @@ def test_the_quick_chaos_run_loses_nothing_and_records_nothing_twice(
     assert hostile["dead_lettered"] + hostile["refused_by_rabbitmq"] == hostile["sent"], output
     assert (hostile["missing"], hostile["wrong_reason"]) == (0, 0), output
     assert figures["settled"], output
+    assert (figures["lost"], figures["stuck"], figures["unsettled"]) == (0, 0, 0), output
     assert figures["faults_injected"] == {"kill": 2, "close": 1, "pg-restart": 1}, output
     assert all(fault["tasks_in_flight"] > 0 for fault in figures["faults"]), output
 
