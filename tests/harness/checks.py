@@ -17,7 +17,7 @@ repeated more often than relays and redeliveries explain was published twice by 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,7 +145,8 @@ def _answer(body: bytes) -> bytes | None:
 class LogFigures:
     streams: int
     not_completed_once: list[str]
-    """Tasks whose stream does not end in exactly one TaskCompleted (or that have no stream)."""
+    """Tasks whose stream does not end in exactly one terminal event, the one expected
+    (TaskCompleted; TaskFailed for those expected to fail), or that have no stream."""
     pauses_resumed_twice: list[str]
     """``task pause N: k resumes`` for every pause resumed more than once."""
     pauses_recorded_twice: list[str]
@@ -189,6 +190,8 @@ class LogFigures:
         }
 
 
+_TERMINAL = ("TaskCompleted", "TaskFailed", "TaskCancelled")
+
 LogRow = tuple[str, str, str | None, int | None, str | None]
 """(stream id, event type, subtask id, pause, reason) of one event, in stream-version order."""
 
@@ -226,11 +229,19 @@ def unplanned_streams(
     )
 
 
-def log_figures(task_ids: Sequence[str], rows: Iterable[LogRow], k: int, rounds: int) -> LogFigures:
+def log_figures(
+    task_ids: Sequence[str],
+    rows: Iterable[LogRow],
+    k: int,
+    rounds: int,
+    *,
+    failed: Collection[str] = (),
+) -> LogFigures:
     """Check every task's stream against the example orchestrator's plan: ``rounds`` pauses of
     ``k`` calls each (sub-task ids ``<task>:<pause>:<i>``), each pause recorded and resumed
-    once, each sub-task claimed once, one TaskCompleted as the last decisive event; and no
-    other stream but those of sub-tasks run again (:func:`unplanned_streams`)."""
+    once, each sub-task claimed once, one TaskCompleted as the last decisive event and no other
+    terminal event (a TaskFailed instead for the tasks in ``failed``, whose last run fails);
+    and no other stream but those of sub-tasks run again (:func:`unplanned_streams`)."""
     streams: dict[str, list[LogRow]] = {}
     for row in rows:
         streams.setdefault(row[0], []).append(row)
@@ -252,7 +263,8 @@ def log_figures(task_ids: Sequence[str], rows: Iterable[LogRow], k: int, rounds:
         figures.events.update(row[1] for row in events)
         figures.reply_ignored.update(row[4] or "?" for row in events if row[1] == "ReplyIgnored")
         decisive = [row[1] for row in events if row[1] != "ReplyIgnored"]
-        if decisive.count("TaskCompleted") != 1 or decisive[-1] != "TaskCompleted":
+        terminal = "TaskFailed" if task_id in failed else "TaskCompleted"
+        if [t for t in decisive if t in _TERMINAL] != [terminal] or decisive[-1] != terminal:
             figures.not_completed_once.append(task_id)
         for kind, problems in (
             ("TaskResumed", figures.pauses_resumed_twice),

@@ -1,20 +1,40 @@
-"""scripts/chaos's pure parts: the fault plan, and the checks of results and of the log it
-shares with the tests (tests/harness/checks.py), each shown to catch what it is there to catch
-(no services)."""
+"""scripts/chaos's pure parts: the fault plan, the special tasks and the hostile messages, and
+the checks of results, dead letters and of the log (some shared with the tests:
+tests/harness/checks.py), each shown to catch what it is there to catch (no services)."""
 
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from pathlib import Path
 
-from events.codec import dumps
+import pamqp.header
+import pytest
+
+from events.codec import dumps, loads
+from workers.brokers.metadata import HEADER_UNDECODABLE, guard_content_header
+from workers.deadletters import DeadLetter
 
 from ..harness.checks import LogRow, log_figures, result_figures
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from _bench.chaos import plan_faults  # noqa: E402
+from _bench.chaos import (  # noqa: E402
+    HOSTILE_KINDS,
+    HostileSent,
+    TaskMix,
+    answer_figures,
+    counter_values,
+    expected_answer,
+    hostile_figures,
+    hostile_message,
+    hostile_plan,
+    hostile_tag,
+    letter_task_id,
+    plan_faults,
+    plan_tasks,
+)
 
 K, ROUNDS = 3, 2
 
@@ -121,3 +141,218 @@ def test_the_log_figures_catch_each_way_a_stream_can_go_wrong() -> None:
     # the task with no stream at all: none of its 6 sub-tasks claimed
     assert len(figures.claims_not_once) == 2 + K * ROUNDS
     assert figures.unexpected_streams == ["stranger", "stuck:1:1"]
+
+
+def test_a_task_expected_to_fail_must_end_in_one_failure_and_no_completion() -> None:
+    failed = [*_stream("over")[:-1], ("over", "TaskFailed", None, None, None)]
+    completed_instead = _stream("completed")
+    both = [*_stream("both")[:-1], ("both", "TaskFailed", None, None, None)]
+    both.insert(-1, ("both", "TaskCompleted", None, None, None))
+    figures = log_figures(
+        ["over", "completed", "both", "plain"],
+        [*failed, *completed_instead, *both, *_stream("plain")],
+        K,
+        ROUNDS,
+        failed=["over", "completed", "both"],
+    )
+    assert figures.not_completed_once == ["completed", "both"]
+    # and a plain task that failed is caught as before
+    assert log_figures(["over"], failed, K, ROUNDS).not_completed_once == ["over"]
+
+
+# ---- when the broker says no ------------------------------------------------------------------
+
+
+def test_the_special_tasks_are_a_function_of_the_seed_and_leave_the_held_back_tail_plain() -> None:
+    mix = TaskMix(full_share=0.03, never_drained=0.34, oversized_share=0.01, over_broker=True)
+    kinds = plan_tasks(5000, 60, mix, seed=7)
+    assert kinds == plan_tasks(5000, 60, mix, seed=7)
+    assert kinds != plan_tasks(5000, 60, mix, seed=8)
+    counts = Counter(kinds)
+    assert counts["full-never"] + counts["full-drained"] == 150
+    assert counts["full-never"] == 51
+    assert (counts["over-worker"], counts["over-broker"]) == (25, 25)
+    assert set(kinds[-60:]) == {"normal"}
+    # a few of each even in a small run; none when the share is zero
+    small = Counter(plan_tasks(50, 10, TaskMix(0.12, 0.34, 0.08, True), seed=1))
+    assert (small["full-drained"], small["full-never"]) == (4, 2)
+    assert (small["over-worker"], small["over-broker"]) == (2, 2)
+    assert set(plan_tasks(50, 10, TaskMix(), seed=1)) == {"normal"}
+    # without a broker limit every oversized task is over the workers'
+    alone = Counter(plan_tasks(100, 10, TaskMix(oversized_share=0.05), seed=1))
+    assert (alone["over-worker"], alone["over-broker"]) == (5, 0)
+    with pytest.raises(ValueError):
+        plan_tasks(10, 9, TaskMix(full_share=0.5), seed=1)
+
+
+def _letter(
+    reason: str, body: bytes = b"", correlation_id: str | None = None, message_id: str | None = None
+) -> DeadLetter:
+    return DeadLetter(message_id, correlation_id, None, reason, "", None, body)
+
+
+def test_a_dead_letter_names_its_task_by_its_body_correlation_or_message_id_or_call() -> None:
+    tasks = {"t1", "t2", "t3", "t4"}
+    assert letter_task_id(_letter("refused", _result("t1", 1, 10)), tasks) == "t1"
+    assert letter_task_id(_letter("too-large", correlation_id="t2"), tasks) == "t2"
+    assert letter_task_id(_letter("too-large", message_id="t3:result"), tasks) == "t3"
+    resume = dumps({"task_id": "t4", "pause": 2})
+    assert letter_task_id(_letter("handler-failed", resume), tasks) == "t4"
+    assert letter_task_id(_letter("x", correlation_id="t4:2:1"), tasks) == "t4"
+    assert letter_task_id(_letter("x", b"{nope", correlation_id="stranger"), tasks) is None
+
+
+def _error(task_id: str, kind: str, message: str = "") -> bytes:
+    return dumps(
+        {"status": "error", "error": {"type": kind, "message": message}, "task_id": task_id}
+    )
+
+
+def test_each_kind_of_task_is_answered_as_it_expects_and_every_dead_letter_is_explained() -> None:
+    expected = {
+        "plain": expected_answer("normal", {"n": 1, "total": 10}),
+        "drained": expected_answer("full-drained", {"n": 2, "total": 20}),
+        "never": expected_answer("full-never", {"n": 3, "total": 30}),
+        "worker": expected_answer("over-worker", {"n": 4, "total": 40}),
+        "broker": expected_answer("over-broker", {"n": 5, "total": 50}),
+    }
+    messages = [
+        ("plain", _result("plain", 1, 10), False),
+        ("drained", _result("drained", 2, 20), False),
+        ("worker", _error("worker", "MessageTooLarge"), False),
+        ("broker", _error("broker", "undeliverable-result", "first"), False),
+        # a copy of the error that says another thing of the broker is the same answer
+        ("broker", _error("broker", "undeliverable-result", "second"), False),
+    ]
+    letters = [
+        _letter("refused", _result("never", 3, 30), correlation_id="never"),
+        _letter("too-large", correlation_id="broker", message_id="broker:result"),
+        _letter("too-large", correlation_id="broker", message_id="broker:result"),
+        _letter("handler-failed", dumps({"task_id": "worker", "pause": 2})),
+    ]
+    figures = answer_figures(expected, messages, letters)
+    assert (figures.missing, figures.wrong, figures.unexplained_letters) == ([], [], [])
+    assert (figures.answered, figures.by_result, figures.by_letter) == (5, 4, 1)
+    assert figures.by_kind["full-never"] == {"tasks": 1, "answered": 1, "by_dead_letter": 1}
+    assert figures.duplicates == 1 and figures.letters == 4
+
+
+def test_the_answer_figures_catch_each_way_a_task_can_be_answered_wrong() -> None:
+    expected = {
+        "lost": expected_answer("normal", {"n": 1, "total": 10}),
+        "error-instead": expected_answer("full-drained", {"n": 2, "total": 20}),
+        "never-got-result": expected_answer("full-never", {"n": 3, "total": 30}),
+        "never-lost": expected_answer("full-never", {"n": 4, "total": 40}),
+        "never-wrong-body": expected_answer("full-never", {"n": 5, "total": 50}),
+        "worker-ok": expected_answer("over-worker", {"n": 6, "total": 60}),
+        "broker-other-error": expected_answer("over-broker", {"n": 7, "total": 70}),
+        "plain-dead": expected_answer("normal", {"n": 8, "total": 80}),
+    }
+    messages = [
+        ("error-instead", _error("error-instead", "MessageTooLarge"), False),
+        ("never-got-result", _result("never-got-result", 3, 30), False),
+        ("worker-ok", _result("worker-ok", 6, 60), False),
+        ("broker-other-error", _error("broker-other-error", "MessageTooLarge"), False),
+        ("plain-dead", _result("plain-dead", 8, 80), False),
+    ]
+    letters = [
+        _letter("refused", _result("never-got-result", 3, 30)),
+        _letter("refused", _result("never-wrong-body", 5, 51)),
+        # a dead letter that no kind explains: a plain task's, a reason another kind's
+        _letter("handler-failed", correlation_id="plain-dead"),
+        _letter("too-large", correlation_id="worker-ok"),
+        _letter("invalid-json", b"{", correlation_id="nobody"),
+    ]
+    figures = answer_figures(expected, messages, letters)
+    assert figures.missing == ["lost", "never-lost"]
+    assert figures.wrong == [
+        "error-instead",
+        "never-got-result",
+        "never-wrong-body",
+        "worker-ok",
+        "broker-other-error",
+    ]
+    assert len(figures.unexplained_letters) == 3
+    assert figures.unexplained_letters[0].startswith("plain-dead: handler-failed")
+
+
+def test_each_hostile_kind_is_what_it_says_to_the_workers_guard() -> None:
+    """A kind a worker is to dead-letter as undecodable is undecodable to its frame guard; the
+    invalid-JSON one decodes (its header is only written back differently); every body carries
+    its tag."""
+    for kind, reason in HOSTILE_KINDS.items():
+        properties, body = hostile_message(kind, "hostile-1-2", "chaos.answers")
+        assert hostile_tag(body) == "hostile-1-2"
+        payload = b"\x00\x3c\x00\x00" + len(body).to_bytes(8, "big") + properties
+        guarded = guard_content_header(payload)
+        header = pamqp.header.ContentHeader()
+        header.unmarshal(guarded)
+        headers = header.properties.headers or {}
+        if reason == "undecodable-metadata":
+            assert HEADER_UNDECODABLE in headers, kind
+            assert header.properties.reply_to == "chaos.answers", kind
+        elif reason == "invalid-json":
+            assert guarded is payload, kind
+            with pytest.raises(ValueError):
+                loads(body)
+    assert Counter(hostile_plan(30, seed=4)) == dict.fromkeys(HOSTILE_KINDS, 3)
+    assert hostile_plan(30, seed=4) == hostile_plan(30, seed=4)
+
+
+def test_the_hostile_figures_account_for_every_message() -> None:
+    sent = [
+        HostileSent("hostile-1-0", "headers-nested-3000-deep", "q", "routed", 1),
+        HostileSent("hostile-1-1", "long-string-not-utf8-invalid-body", "q", "routed", 1),
+        HostileSent("hostile-1-2", "unknown-field-type-tag", "q", "refused", 1, ["541"]),
+        HostileSent("hostile-1-3", "table-length-lies", "q", "routed", 1),  # taken after all
+        HostileSent("hostile-1-4", "type-not-utf8", "q", "routed", 2),  # lost
+        HostileSent("hostile-1-5", "message-id-not-utf8", "q", "routed", 1),  # wrong reason
+        HostileSent("hostile-1-6", "correlation-id-not-utf8", "q", "refused", 1, ["541"]),
+        HostileSent("hostile-1-7", "header-key-not-utf8", "q", "error", 10, ["closed"]),
+    ]
+
+    def letter(tag: str, reason: str) -> DeadLetter:
+        return _letter(reason, dumps({"hostile": tag}))
+
+    letters = [
+        letter("hostile-1-0", "undecodable-metadata"),
+        letter("hostile-1-0", "undecodable-metadata"),  # dead-lettered twice: one message
+        _letter("invalid-json", b"{not json hostile-1-1"),
+        letter("hostile-1-3", "undecodable-metadata"),
+        letter("hostile-1-5", "invalid-json"),
+    ]
+    answers = [
+        ("hostile-1-0", _error("hostile-1-0", "undecodable-metadata")),
+        ("hostile-1-1", _error("hostile-1-1", "undecodable-metadata")),  # not its reason
+        ("hostile-1-3", _result("hostile-1-3", 1, 1)),  # no error at all
+    ]
+    figures = hostile_figures(sent, letters, answers)
+    assert (figures.sent, figures.routed, figures.refused_by_broker) == (8, 5, 2)
+    assert figures.dead_lettered == 4 and figures.letters == 5
+    assert figures.reasons == {"undecodable-metadata": 2, "invalid-json": 2}
+    assert [m.split()[0] for m in figures.missing] == ["hostile-1-4"]
+    assert [m.split()[0] for m in figures.wrong_reason] == [
+        "hostile-1-5",
+        "hostile-1-6",
+        "hostile-1-7",
+    ]
+    assert [a.split(":")[0] for a in figures.wrong_answers] == ["hostile-1-1", "hostile-1-3"]
+
+
+def test_a_counter_is_read_from_a_metrics_exposition_by_label() -> None:
+    exposition = "\n".join(
+        [
+            "# HELP waystation_publish_refusals_total Publishes the broker refused.",
+            "# TYPE waystation_publish_refusals_total counter",
+            'waystation_publish_refusals_total{reason="refused"} 12.0',
+            'waystation_publish_refusals_total{reason="too-large"} 1.0',
+            'waystation_publish_refusals_created{reason="refused"} 1.7e+09',
+            "waystation_outbox_relayed_total 3.0",
+        ]
+    )
+    assert counter_values(exposition, "waystation_publish_refusals") == {
+        "refused": 12.0,
+        "too-large": 1.0,
+    }
+    assert counter_values(exposition, "waystation_outbox_relayed") == {"": 3.0}
+    assert counter_values(exposition, "waystation_dead_letters") == {}

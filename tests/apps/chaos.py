@@ -1,0 +1,28 @@
+"""The chaos run's app (``scripts/chaos``, ``--app tests.apps.chaos:app``): the example app's
+``orchestrator`` and ``researcher`` (``workers.example``), unchanged, except that an
+orchestrator whose input has ``"pad": N`` completes with ``"pad": "x" * N`` added to its result.
+
+The run uses it to make results larger than a message may be: over the workers'
+``WAYSTATION_MAX_MESSAGE_BYTES`` (the task fails at once, ``MessageTooLarge``) or over the
+broker's ``max_message_size`` (the result is dead-lettered as ``too-large`` and its publisher
+gets an ``undeliverable-result`` error). Without ``pad`` it is the example app.
+"""
+
+from __future__ import annotations
+
+from events import Complete, Outcome
+from workers import App, TaskContext
+from workers.example import orchestrator as example_orchestrator
+from workers.example import researcher
+
+app = App()
+app.agent("researcher")(researcher)
+
+
+@app.agent("orchestrator")
+async def orchestrator(task: TaskContext) -> Outcome:
+    outcome = await example_orchestrator(task)
+    pad = int(task.input.get("pad", 0))
+    if pad > 0 and isinstance(outcome, Complete):
+        return Complete({**outcome.result, "pad": "x" * pad})
+    return outcome
