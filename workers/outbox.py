@@ -129,7 +129,8 @@ class OutboxPublisher:
                     errors = await self.broker.publish_all([e.message for e in entries])
                     published = await self._after(entries, errors, relaying=True)
                     self.observer.relayed(published)
-                    log.info("outbox relay published %d message(s)", published)
+                    if published:
+                        log.info("outbox relay published %d message(s)", published)
                     if len(entries) == RELAY_BATCH:
                         continue
             except asyncio.CancelledError:

@@ -189,8 +189,7 @@ def _copy(
     publisher's library wrote that the worker's cannot, such as a long string that is not UTF-8,
     must not keep the delivery from being settled) and its publisher's user among them."""
     headers = sendable(headers)
-    if delivery.user_id:
-        headers[HEADER_USER] = delivery.user_id
+    headers[HEADER_USER] = delivery.user_id or ""  # ("": it named none)
     return OutboxMessage(
         message_id=delivery.message_id or "",
         routing_key=routing_key,
@@ -253,7 +252,7 @@ class Settler:
         user = delivery.headers.get(HEADER_USER)
         if user is None or delivery.user_id is None or delivery.user_id != self.amqp_user:
             return delivery
-        return replace(delivery, user_id=str(user))
+        return replace(delivery, user_id=str(user) or None)
 
     # ---- answers ------------------------------------------------------------------------------
 

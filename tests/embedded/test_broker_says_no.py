@@ -393,6 +393,11 @@ async def test_events_after_a_retry_or_a_wait_keep_their_publishers_user() -> No
         assert (await w.answer("by-mallory"))["status"] == "ok"
         started = (await w.store.read_stream("by-mallory"))[0]
         assert started.metadata["amqp_user"] == "mallory"
+        # nor does a retry make the workers' own user the actor of a task that named none
+        anonymous = await w.publish("boss", {})
+        assert (await w.answer(anonymous))["status"] == "ok"
+        started = (await w.store.read_stream(anonymous))[0]
+        assert "amqp_user" not in started.metadata
 
 
 async def test_a_stream_records_a_bounded_number_of_ignored_replies() -> None:
