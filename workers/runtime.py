@@ -95,6 +95,7 @@ class Worker:
             delivery_limit=settings.delivery_limit,
             policy=settings.broker_policy,
             management_url=settings.management_url,
+            fast_frames=settings.fast_frames,
         )
         self.observer = Observer(metrics)
         self.observer.in_flight(lambda: self._inflight)

@@ -50,6 +50,10 @@ class Settings(BaseSettings):
     that recorded it, which then decides from its own copy of the stream, without conflicts.
     Use at least as many as workers serving an agent; 0 turns routing off. Lower it only when
     no task is paused: replies waiting in a shard past the new count are not consumed."""
+    fast_frames: bool = True
+    """The worker's own AMQP connection encodes and decodes its hot path's frames with
+    Waystation's codec (``workers.brokers.frames``: the same bytes as pamqp's, in a fraction of
+    the time); no other connection of the process does. Off: pamqp's own codec."""
     resume_in_place: bool = True
     """The worker that records a pause's last reply runs the resumed handler at once and appends
     its outcome with that reply (no resume message; docs/performance.md). Off: every resume

@@ -13,6 +13,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import aio_pika
 import pytest
@@ -27,6 +28,7 @@ from workers.broker import (
     Unroutable,
     Unsendable,
 )
+from workers.brokers import frames
 from workers.brokers.amqp import AmqpBroker
 from workers.brokers.memory import InMemoryBroker, InMemoryConnection
 from workers.brokers.metadata import HEADER_RAW, HEADER_UNDECODABLE
@@ -544,6 +546,18 @@ class BrokerContract:
         inbox.hold.set()
 
 
+async def _publish_when_back(broker: Broker, one: OutboxMessage) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WITHIN
+    while True:
+        try:
+            await broker.publish(one)
+            return
+        except BrokerUnavailable:
+            assert loop.time() < deadline, "the publishing channel never came back"
+            await asyncio.sleep(0.05)
+
+
 def _flags(*flags: int) -> bytes:
     return sum(flags).to_bytes(2, "big")
 
@@ -606,6 +620,63 @@ class TestAmqpBroker(BrokerContract):
             await broker.close()
         await delete_topology(services.amqp_url, names.prefix, [AGENT])
         await clear_policy(names)
+
+    async def test_only_its_own_frames_go_through_the_fast_codec(
+        self, backend: Backend, services: Services, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """``workers.brokers.frames`` takes pamqp's place for the whole process, yet codes only
+        the broker's own frames: a connection the test opens, or a handler opens while it runs
+        on a delivery, is pamqp's alone, before and after the broker reconnects."""
+        seen: list[bytes] = []
+        marshal, unmarshal = frames.marshal, frames.unmarshal
+
+        def marshalled(frame: Any, channel: int) -> bytes:
+            written = marshal(frame, channel)
+            seen.append(written)
+            return written
+
+        def unmarshalled(data: bytes) -> Any:
+            seen.append(data)
+            return unmarshal(data)
+
+        monkeypatch.setattr(frames, "marshal", marshalled)
+        monkeypatch.setattr(frames, "unmarshal", unmarshalled)
+        broker = await backend.open()
+        await broker.declare(backend.names, [AGENT])
+        theirs = f"{backend.names.prefix}theirs"
+
+        async def their_publish(marker: bytes) -> None:
+            connection = await aio_pika.connect(services.amqp_url)
+            try:
+                channel = await connection.channel()
+                queue = await channel.declare_queue(theirs, auto_delete=True)
+                await channel.default_exchange.publish(aio_pika.Message(marker), routing_key=theirs)
+                got = await queue.get(timeout=10)
+                assert got.body == marker
+                await got.ack()
+            finally:
+                await connection.close()
+
+        handled: list[bytes] = []
+
+        async def handler(delivery: Delivery) -> None:
+            await their_publish(b"from-a-handler")  # a handler's own connection
+            handled.append(delivery.body)
+            await broker.ack(delivery)
+
+        await broker.consume(backend.names.tasks(AGENT), handler, prefetch=1)
+        await broker.publish(message(backend.names, 1))
+        await eventually(lambda: len(handled) == 1, "the delivery handled")
+        await their_publish(b"from-the-test")
+        assert any(b'{"n": 1}' in frame for frame in seen), "its own frames went to pamqp"
+        assert not any(b"from-" in frame or theirs.encode() in frame for frame in seen)
+        await backend.drop(broker)
+        await eventually(lambda: broker.connected, "the connection back")
+        seen.clear()
+        await _publish_when_back(broker, message(backend.names, 2))
+        await eventually(lambda: len(handled) == 2, "the delivery handled after reconnecting")
+        assert any(b'{"n": 2}' in frame for frame in seen), "after reconnecting, pamqp's"
+        assert not any(b"from-" in frame or theirs.encode() in frame for frame in seen)
 
     async def test_a_consumer_aio_pika_recovers_itself_still_delivers(
         self, backend: Backend

@@ -326,13 +326,33 @@ def test_a_string_that_is_not_utf8_comes_back_as_bytes_as_pamqp_gives_it() -> No
 # ---- installing ----------------------------------------------------------------------------
 
 
-def test_install_puts_the_codec_in_pamqps_place(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_install_puts_a_dispatcher_in_pamqps_place_that_is_pamqp_outside_a_scope(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(pamqp.frame, "marshal", PAMQP_MARSHAL)
     monkeypatch.setattr(pamqp.frame, "unmarshal", PAMQP_UNMARSHAL)
     assert not frames.installed()
     assert frames.install()
-    assert pamqp.frame.marshal is frames.marshal and pamqp.frame.unmarshal is frames.unmarshal
+    assert frames.installed()
     assert frames.install()  # again: nothing changes
+    codec: list[str] = []
+    monkeypatch.setattr(frames, "marshal", lambda *a: codec.append("marshal") or PAMQP_MARSHAL(*a))
+    monkeypatch.setattr(
+        frames, "unmarshal", lambda *a: codec.append("unmarshal") or PAMQP_UNMARSHAL(*a)
+    )
+    ack = Basic.Ack(delivery_tag=7)
+    written = pamqp.frame.marshal(ack, 1)
+    assert pamqp.frame.unmarshal(written)[2].delivery_tag == 7
+    assert codec == []  # outside a scope: pamqp's own, for any other connection
+    with frames.scope():
+        assert frames.ours()
+        assert pamqp.frame.marshal(ack, 1) == written
+        pamqp.frame.unmarshal(written)
+        with frames.scope(False):
+            pamqp.frame.marshal(ack, 1)
+    assert codec == ["marshal", "unmarshal"]
+    assert not frames.ours()
+    assert frames.context().run(frames.ours) and not frames.context(False).run(frames.ours)
 
 
 def test_a_pamqp_with_another_layout_keeps_its_own_codec(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -341,3 +361,4 @@ def test_a_pamqp_with_another_layout_keeps_its_own_codec(monkeypatch: pytest.Mon
     monkeypatch.setattr(Basic.Properties, "flags", {**Basic.Properties.flags, "priority": 0x1})
     assert not frames.install()
     assert pamqp.frame.marshal is PAMQP_MARSHAL and pamqp.frame.unmarshal is PAMQP_UNMARSHAL
+    assert not frames.installed()

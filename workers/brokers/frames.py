@@ -1,27 +1,34 @@
-"""A faster codec for the AMQP frames every message costs, behind pamqp's own functions.
+"""A faster codec for the AMQP frames every message costs, for Waystation's own connections.
 
 aiormq encodes and decodes every frame with ``pamqp.frame.marshal`` and ``unmarshal``, which
 walk each method's field list and encode or decode field by field through a table of
-functions. A profile of a worker under load put ~11% of its CPU there: a publish's method frame
-and content header, a delivery's three frames, the broker's confirms. :func:`install` puts this
-module's :func:`marshal` and :func:`unmarshal` in their place (aiormq looks them up on the
-``pamqp.frame`` module at each call). They take the frames of the hot path (``basic.publish``,
-``basic.ack`` and ``basic.nack``, ``basic.deliver``, content headers, bodies) in one pass of
-``struct`` calls and give back exactly what pamqp gives: the same bytes, objects equal field by
-field (tests compare both ways on generated frames). Anything else, and any frame that is not
-plainly well formed (an unexpected type or length, a value pamqp would refuse or treat in its
-own way), goes to pamqp's functions unchanged, so their errors and corner cases stay theirs.
+functions: a measured share of a worker's CPU (a publish's method frame and content header, a
+delivery's three frames, the broker's confirms). :func:`marshal` and :func:`unmarshal` take the
+frames of the hot path (``basic.publish``, ``basic.ack`` and ``basic.nack``, ``basic.deliver``,
+content headers, bodies) in one pass of ``struct`` calls and give back exactly what pamqp gives:
+the same bytes, objects equal field by field (tests compare both ways on generated frames).
+Anything else, and any frame that is not plainly well formed (an unexpected type or length, a
+value pamqp would refuse or treat in its own way), goes to pamqp's functions unchanged, so
+their errors and corner cases stay theirs.
 
-The layout the codec assumes is checked against pamqp's own definitions when it is installed;
-if they differ (another pamqp), it is not installed and pamqp does all the work.
+Scoped: :func:`install` puts a dispatcher in pamqp's place (aiormq looks the functions up on
+the ``pamqp.frame`` module at each call) that uses this codec only where :func:`ours` says so
+(a context variable) and pamqp's own functions everywhere else, so that no other connection of
+the process reads or writes differently. Waystation's AMQP backend opens its connection in such
+a context (its reader task inherits it), and marks its own publishes and acks; the deliveries'
+handlers run outside it, so a connection a handler opens is pamqp's alone.
+(``WAYSTATION_FAST_FRAMES`` turns it off; the layout the codec assumes is checked against
+pamqp's own definitions, and with another layout nothing is installed.)
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import operator
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pamqp.body
@@ -31,7 +38,17 @@ import pamqp.encode
 import pamqp.frame
 import pamqp.header
 
-__all__ = ["install", "installed", "marshal", "unmarshal"]
+__all__ = [
+    "content_header",
+    "context",
+    "decoded_ahead",
+    "install",
+    "installed",
+    "marshal",
+    "ours",
+    "scope",
+    "unmarshal",
+]
 
 _Basic = pamqp.commands.Basic
 _ContentBody = pamqp.body.ContentBody
@@ -417,17 +434,88 @@ def _layout_matches() -> bool:
     )
 
 
+_OURS: contextvars.ContextVar[bool] = contextvars.ContextVar("waystation_frames", default=False)
+
+
+def ours() -> bool:
+    """Whether the frames made or read here are Waystation's own (the codec's to do)."""
+    return _OURS.get()
+
+
+@contextlib.contextmanager
+def scope(on: bool = True) -> Iterator[None]:
+    """Within the block (in this task), frames are Waystation's own (``on``) or not."""
+    token = _OURS.set(on)
+    try:
+        yield
+    finally:
+        _OURS.reset(token)
+
+
+def context(on: bool = True) -> contextvars.Context:
+    """A copy of the current context whose frames are Waystation's own (``on``) or not: what a
+    task created in it, and every task it creates, inherits."""
+    copied = contextvars.copy_context()
+    copied.run(_OURS.set, on)
+    return copied
+
+
+def _dispatched_marshal(frame_value: Any, channel_id: int) -> bytes:
+    if _OURS.get():
+        return marshal(frame_value, channel_id)
+    return _pamqp_marshal(frame_value, channel_id)
+
+
+_AHEAD: contextvars.ContextVar[tuple[bytes, Any] | None] = contextvars.ContextVar(
+    "waystation_frame_ahead", default=None
+)
+
+
+def decoded_ahead(frame: bytes, value: Any) -> None:
+    """``frame`` (a whole frame's bytes) is about to be decoded, in this task, and decodes to
+    ``value``, decoded already (by the guard of ``workers.brokers.transport``): the next
+    :func:`unmarshal` of these same bytes here returns it instead of decoding them again."""
+    _AHEAD.set((frame, value))
+
+
+def _dispatched_unmarshal(data_in: bytes) -> tuple[int, int, Any]:
+    if _OURS.get():
+        ahead = _AHEAD.get()
+        if ahead is not None:
+            _AHEAD.set(None)
+            frame, value = ahead
+            if data_in == frame:
+                return len(frame), _HEAD.unpack_from(frame)[1], value
+        return unmarshal(data_in)
+    return _pamqp_unmarshal(data_in)
+
+
 def install() -> bool:
-    """Put :func:`marshal` and :func:`unmarshal` in pamqp's place (idempotent); False, and
-    nothing changed, when pamqp's frame layout is not the one this codec knows."""
+    """Put the dispatcher in pamqp's place (idempotent): this codec where :func:`ours`, pamqp's
+    own functions elsewhere. False, and nothing changed, when pamqp's frame layout is not the
+    one this codec knows."""
     if installed():
         return True
     if not _layout_matches():
         return False
-    pamqp.frame.marshal = marshal
-    pamqp.frame.unmarshal = unmarshal
+    pamqp.frame.marshal = _dispatched_marshal
+    pamqp.frame.unmarshal = _dispatched_unmarshal
     return True
 
 
 def installed() -> bool:
-    return pamqp.frame.marshal is marshal and pamqp.frame.unmarshal is unmarshal
+    return (
+        pamqp.frame.marshal is _dispatched_marshal
+        and pamqp.frame.unmarshal is _dispatched_unmarshal
+    )
+
+
+def content_header(payload: bytes) -> Any:
+    """A content header frame's payload decoded (this codec's fast path, else pamqp's own),
+    or pamqp's error."""
+    try:
+        return _content_header(payload, 0, len(payload))
+    except (_Unusual, struct.error, ValueError, IndexError):
+        header = _ContentHeader()
+        header.unmarshal(payload)
+        return header

@@ -33,6 +33,7 @@ import pamqp.header
 from events import OutboxMessage
 
 from ..broker import Unsendable
+from . import frames
 
 __all__ = [
     "HEADER_RAW",
@@ -41,6 +42,7 @@ __all__ = [
     "MAX_SHORT_STRING",
     "check_encodable",
     "guard_content_header",
+    "guarded_header",
     "properties_of",
     "sendable",
 ]
@@ -66,15 +68,20 @@ _SIZES = {"octet": 1, "timestamp": 8}
 def guard_content_header(payload: bytes) -> bytes:
     """``payload`` (a content header frame's, without the frame's envelope) when it decodes,
     else one that does (see the module)."""
+    return guarded_header(payload)[0]
+
+
+def guarded_header(payload: bytes) -> tuple[bytes, Any | None]:
+    """:func:`guard_content_header`, with what ``payload`` decoded to when it is returned as it
+    is (pamqp's ``ContentHeader``; None when it was replaced)."""
     try:
-        header = pamqp.header.ContentHeader()
-        header.unmarshal(payload)
+        header = frames.content_header(payload)
         problem = _too_deep(header.properties.headers)
         if problem is None:
-            return payload
+            return payload, header
     except Exception as error:  # any failure to decode is this message's alone
         problem = _why(error)
-    return _salvaged(payload, problem)
+    return _salvaged(payload, problem), None
 
 
 def _why(error: BaseException) -> str:

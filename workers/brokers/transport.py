@@ -29,7 +29,8 @@ from aio_pika.abc import AbstractRobustConnection
 from aiormq.connection import TCPTransportFactory, TLSTransportFactory, TransportFactory
 from yarl import URL
 
-from .metadata import guard_content_header
+from . import frames
+from .metadata import guarded_header
 
 __all__ = ["GuardedReader", "GuardedTransport", "guarded_connection"]
 
@@ -38,57 +39,65 @@ _CONTENT_HEADER = 2
 
 
 class GuardedReader:
-    """What aiormq's frame reader reads from: the connection's bytes, a whole frame at a time,
-    each content header guarded. It offers what the reader uses of an ``asyncio.StreamReader``
-    (``readexactly``, ``read``, ``at_eof``)."""
+    """What aiormq's frame reader reads from: the connection's bytes as they come, but for each
+    content header, read whole and guarded first. It offers what that reader uses of an
+    ``asyncio.StreamReader`` (``readexactly``, ``read``, ``at_eof``), and relies on how it
+    reads: a frame's first byte alone, then the rest of its envelope, then its payload."""
 
     def __init__(self, inner: asyncio.StreamReader) -> None:
         self._inner = inner
-        self._chunks: collections.deque[bytes] = collections.deque()
+        self._guarded: collections.deque[bytes] = collections.deque()
+        """What is left to hand over of a guarded content header frame."""
+        self._next = 0
+        """Which read of a frame comes next: its type (0), the rest of its envelope (1), its
+        payload with the frame's end (2)."""
         self.guarded = 0
         """Content headers replaced so far."""
 
     def at_eof(self) -> bool:
-        return not self._chunks and self._inner.at_eof()
+        return not self._guarded and self._inner.at_eof()
 
     async def read(self, n: int = -1) -> bytes:
-        if self._chunks:
-            return self._chunks.popleft()
+        if self._guarded:
+            return self._guarded.popleft()
         return await self._inner.read(n)
 
     async def readexactly(self, n: int) -> bytes:
-        if not self._chunks:
-            await self._next_frame()
-        parts = []
-        while n > 0:
-            if not self._chunks:
-                # (a reader that does not read a frame at a time: hand over what comes)
-                parts.append(await self._inner.readexactly(n))
-                break
-            chunk = self._chunks.popleft()
-            if len(chunk) > n:
-                self._chunks.appendleft(chunk[n:])
-                chunk = chunk[:n]
-            parts.append(chunk)
-            n -= len(chunk)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        if self._guarded:
+            return self._take(n)
+        data = await self._inner.readexactly(n)
+        if self._next == 0 and n == 1 and data == b"\x02":
+            await self._guard_header(data)
+            return self._take(n)
+        self._next = (self._next + 1) % 3
+        return data
 
-    async def _next_frame(self) -> None:
-        head = await self._inner.readexactly(_HEAD.size)
-        if head.startswith(b"AMQP"):  # the broker's protocol header (a version it refuses)
-            self._chunks.append(head)
-            return
-        frame_type, channel, size = _HEAD.unpack(head)
-        rest = await self._inner.readexactly(size + 1)  # the payload and the frame's end
-        if frame_type == _CONTENT_HEADER:
-            payload = rest[:-1]
-            guarded = guard_content_header(payload)
-            if guarded is not payload:
-                self.guarded += 1
-                head = _HEAD.pack(frame_type, channel, len(guarded))
-                rest = guarded + rest[-1:]
-        self._chunks.append(head)
-        self._chunks.append(rest)
+    def _take(self, n: int) -> bytes:
+        chunk = self._guarded.popleft()
+        if len(chunk) > n:
+            self._guarded.appendleft(chunk[n:])
+            chunk = chunk[:n]
+        elif len(chunk) < n:  # (a reader that does not read a frame at a time)
+            raise asyncio.IncompleteReadError(chunk, n)
+        return chunk
+
+    async def _guard_header(self, first: bytes) -> None:
+        """Read a content header frame whole (its type byte ``first`` read) and queue it as it
+        will be handed over: guarded."""
+        rest = await self._inner.readexactly(_HEAD.size - 1)
+        _, channel, size = _HEAD.unpack(first + rest)
+        framed = await self._inner.readexactly(size + 1)  # the payload and the frame's end
+        payload = framed[:-1]
+        guarded, header = guarded_header(payload)
+        if header is not None:
+            if frames.ours():
+                # the reader decodes it next, in this same task: with what the guard decoded
+                frames.decoded_ahead(b"".join((first, rest, framed)), header)
+        else:
+            self.guarded += 1
+            rest = _HEAD.pack(_CONTENT_HEADER, channel, len(guarded))[1:]
+            framed = guarded + framed[-1:]
+        self._guarded.extend((first, rest, framed))
 
 
 class GuardedTransport(TransportFactory):
