@@ -348,12 +348,16 @@ class StreamCache:
         """Drop the copies put ``max_age`` seconds ago or earlier (the oldest come first), ready
         or handed out."""
         oldest = self._clock() - self._max_age
-        for copies, drop in ((self._streams, self._drop), (self._taken, self._untake)):
-            while copies:
-                first, (_, _, put_at, _) = next(iter(copies.items()))
-                if put_at > oldest:
-                    break
-                drop(first)
+        while self._streams:
+            first, (_, _, put_at, _) = next(iter(self._streams.items()))
+            if put_at > oldest:
+                break
+            self._drop(first)
+        while self._taken:
+            first, (_, _, put_at, _) = next(iter(self._taken.items()))
+            if put_at > oldest:
+                break
+            self._untake(first)
 
     def _drop(self, stream_id: str) -> _Entry | None:
         entry = self._streams.pop(stream_id, None)

@@ -277,9 +277,8 @@ class Settler:
         on it fails with that), and a refusal tried again a few times (:data:`REFUSAL_RETRIES`).
         An answer or a copy lost to another message's refusal must not make a handler run
         again, nor a delivery go back to its queue. Raises what remains."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + CHANNEL_RETURN_WAIT
-        refusals = iter(REFUSAL_RETRIES)
+        deadline: float | None = None
+        refusals = 0
         while True:
             try:
                 if later > 0:
@@ -290,12 +289,14 @@ class Settler:
             except Unsendable:
                 raise
             except PublishRefused:
-                pause = next(refusals, None)
-                if pause is None:
+                if refusals == len(REFUSAL_RETRIES):
                     raise
-                await asyncio.sleep(pause)
+                await asyncio.sleep(REFUSAL_RETRIES[refusals])
+                refusals += 1
             except BrokerUnavailable:
-                if not self.broker.connected or loop.time() > deadline:
+                now = asyncio.get_running_loop().time()
+                deadline = deadline or now + CHANNEL_RETURN_WAIT
+                if not self.broker.connected or now > deadline:
                     raise
                 await asyncio.sleep(0.05)
 
