@@ -12,10 +12,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 
+from .loop import BUSY, EPOCH, Stalled, VirtualLoop
 from .mutations import MUTATIONS
 from .runner import HEAD_START, HeadStart, check, default_seeds, history, run_seeds
 from .scenario import Scenario
@@ -72,3 +74,24 @@ def test_different_seeds_give_different_histories() -> None:
 def test_the_simulation_catches_each_defect_put_back(mutation: str) -> None:
     failures = run_seeds(range(MUTATION_SEEDS), mutation=mutation, stop_at_first=True)
     assert failures, f"{mutation}: no seed of {MUTATION_SEEDS} failed with the defect put back"
+
+
+def test_a_run_that_can_never_move_on_is_stalled_not_hung() -> None:
+    """Nothing ready and no timer, or callbacks that make each other ready forever (a message
+    handed back and delivered again at once): both end the run as stalled."""
+    loop = VirtualLoop()
+    try:
+        with pytest.raises(Stalled, match="no timer"):
+            loop.run_until_complete(loop.create_future())
+
+        async def spin() -> None:
+            for _ in range(10 * BUSY):
+                await asyncio.sleep(0.0001)  # the clock moves, a little
+
+        with pytest.raises(Stalled, match=f"spinning: {BUSY:,} steps"):
+            loop.run_until_complete(spin())
+        assert loop.time() - EPOCH < 30  # long before any run's horizon
+    finally:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.close()

@@ -20,7 +20,7 @@ from workers.policies import MAX_SLOTS
 from workers.settle import Settler, sent_again, wait, waits_of
 from workers.slots import Refusal
 from workers.slots.memory import MemorySlotLeases
-from workers.wire import HEADER_ATTEMPTS, HEADER_WAITS, Names
+from workers.wire import HEADER_ATTEMPTS, HEADER_USER, HEADER_WAITS, Names
 
 
 async def handler(task: TaskContext) -> Outcome:
@@ -162,11 +162,16 @@ async def test_a_waiting_copy_counts_its_waits_and_keeps_its_attempts() -> None:
     [(copy, delay)] = broker.later
     headers = copy.properties["headers"]
     assert delay == 0.4 and broker.acked == [first]
-    assert headers == {HEADER_WAITS: 1}  # no attempt counted: waiting is not one
+    # no attempt counted (waiting is not one); the copy names its publisher's user, none here
+    assert headers == {HEADER_WAITS: 1, HEADER_USER: ""}
     again = Delivery("unit.a", b"{}", message_id="t", headers={**headers, HEADER_ATTEMPTS: 2})
     assert sent_again(again) and waits_of(again) == 1
     await settler.settle(again, wait(2, 0.8))
-    assert broker.later[1][0].properties["headers"] == {HEADER_WAITS: 2, HEADER_ATTEMPTS: 2}
+    assert broker.later[1][0].properties["headers"] == {
+        HEADER_WAITS: 2,
+        HEADER_ATTEMPTS: 2,
+        HEADER_USER: "",
+    }
 
 
 # ---- one worker's leases -------------------------------------------------------------------------
