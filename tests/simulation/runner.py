@@ -134,7 +134,9 @@ def _start_process(event: Any, niceness: int = 0) -> None:
         os.nice(niceness)
 
 
-def _run_range(seeds: Sequence[int], mutation: str | None, stop_at_first: bool) -> list[Failure]:
+def _run_range(
+    seeds: Sequence[int], mutation: str | None, stop_at_first: bool, shrinking: bool = True
+) -> list[Failure]:
     failures = []
     for seed in seeds:
         if stop_at_first and _stop is not None and _stop.is_set():
@@ -144,12 +146,9 @@ def _run_range(seeds: Sequence[int], mutation: str | None, stop_at_first: bool) 
         if found:
             if stop_at_first and _stop is not None:
                 _stop.set()
-            small = shrink(scenario, mutation)
-            failures.append(
-                Failure(
-                    seed, tuple(check(small, mutation) or found), replay_command(small, mutation)
-                )
-            )
+            small = shrink(scenario, mutation) if shrinking else scenario
+            again = check(small, mutation) if shrinking else found
+            failures.append(Failure(seed, tuple(again or found), replay_command(small, mutation)))
             if stop_at_first:
                 break
     return failures
@@ -166,13 +165,15 @@ def run_seeds(
     processes: int | None = None,
     mutation: str | None = None,
     stop_at_first: bool = False,
+    shrinking: bool = True,
 ) -> list[Failure]:
-    """Run every seed; the failures, each shrunk and with its replay command."""
+    """Run every seed; the failures, each shrunk (unless not ``shrinking``: a caller that only
+    asks whether a seed fails) and with its replay command."""
     if mutation is not None and mutation not in MUTATIONS:
         raise ValueError(f"no mutation {mutation!r}; there are {', '.join(MUTATIONS)}")
     processes = processes or os.cpu_count() or 1
     if processes == 1 or len(seeds) < 50:
-        return _run_range(seeds, mutation, stop_at_first)
+        return _run_range(seeds, mutation, stop_at_first, shrinking)
     # spawn, not fork: the caller may be running an event loop (pytest's) in this process
     context = multiprocessing.get_context("spawn")
     stop = context.Event()
@@ -185,7 +186,9 @@ def run_seeds(
     with concurrent.futures.ProcessPoolExecutor(
         processes, mp_context=context, initializer=_start_process, initargs=(stop,)
     ) as pool:
-        futures = [pool.submit(_run_range, chunk, mutation, stop_at_first) for chunk in chunks]
+        futures = [
+            pool.submit(_run_range, chunk, mutation, stop_at_first, shrinking) for chunk in chunks
+        ]
         for future in concurrent.futures.as_completed(futures):
             failures.extend(future.result())
             if stop_at_first and failures:

@@ -72,7 +72,10 @@ def test_different_seeds_give_different_histories() -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_the_simulation_catches_each_defect_put_back(mutation: str) -> None:
-    failures = run_seeds(range(MUTATION_SEEDS), mutation=mutation, stop_at_first=True)
+    # not shrunk: that is for a person replaying it (scripts/simulate --mutation shrinks)
+    failures = run_seeds(
+        range(MUTATION_SEEDS), mutation=mutation, stop_at_first=True, shrinking=False
+    )
     assert failures, f"{mutation}: no seed of {MUTATION_SEEDS} failed with the defect put back"
 
 
