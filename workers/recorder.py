@@ -348,22 +348,23 @@ class StreamCache:
         """Drop the copies put ``max_age`` seconds ago or earlier (the oldest come first), ready
         or handed out."""
         oldest = self._clock() - self._max_age
-        while self._streams:
-            first, (_, _, put_at, _) = next(iter(self._streams.items()))
-            if put_at > oldest:
-                break
-            self._drop(first)
-        while self._taken:
-            first, (_, _, put_at, _) = next(iter(self._taken.items()))
-            if put_at > oldest:
-                break
-            self._untake(first)
+        _expire_from(self._streams, self._drop, oldest)
+        _expire_from(self._taken, self._untake, oldest)
 
     def _drop(self, stream_id: str) -> _Entry | None:
         entry = self._streams.pop(stream_id, None)
         if entry is not None:
             self._bytes -= entry[1]
         return entry
+
+
+def _expire_from(copies: dict[str, _Entry], drop: Callable[[str], object], oldest: float) -> None:
+    """Drop the copies of ``copies`` (in the order they were put) put at ``oldest`` or before."""
+    while copies:
+        first, (_, _, put_at, _) = next(iter(copies.items()))
+        if put_at > oldest:
+            break
+        drop(first)
 
 
 def _bytes_of(events: Sequence[RecordedEvent]) -> int:

@@ -295,7 +295,8 @@ class Settler:
                 refusals += 1
             except BrokerUnavailable:
                 now = asyncio.get_running_loop().time()
-                deadline = deadline or now + CHANNEL_RETURN_WAIT
+                if deadline is None:
+                    deadline = now + CHANNEL_RETURN_WAIT
                 if not self.broker.connected or now > deadline:
                     raise
                 await asyncio.sleep(0.05)

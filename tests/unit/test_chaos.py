@@ -284,7 +284,7 @@ def test_each_hostile_kind_is_what_it_says_to_the_workers_guard() -> None:
         properties, body = hostile_message(kind, "hostile-1-2", "chaos.answers")
         assert hostile_tag(body) == "hostile-1-2"
         payload = b"\x00\x3c\x00\x00" + len(body).to_bytes(8, "big") + properties
-        guarded = guard_content_header(payload)
+        guarded, _ = guard_content_header(payload)
         header = pamqp.header.ContentHeader()
         header.unmarshal(guarded)
         headers = header.properties.headers or {}

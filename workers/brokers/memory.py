@@ -55,7 +55,7 @@ from ..broker import (
     Unsendable,
 )
 from ..wire import Names
-from .metadata import check_encodable, guarded_header
+from .metadata import check_encodable, guard_content_header
 
 __all__ = ["InMemoryBroker", "InMemoryConnection", "StoredMessage"]
 
@@ -232,7 +232,7 @@ class InMemoryBroker:
         """Put a message whose properties are ``properties`` as raw AMQP bytes (a content
         header's, after its flags' class, weight and body size) in ``queue``, delivered as the
         AMQP backend would decode them: what cannot be decoded is named in the headers."""
-        payload, header = guarded_header(_HEADER_START.pack(60, 0, len(body)) + properties)
+        payload, header = guard_content_header(_HEADER_START.pack(60, 0, len(body)) + properties)
         if header is None:  # replaced: what the AMQP backend's reader decodes then
             header = pamqp.header.ContentHeader()
             header.unmarshal(payload)

@@ -5,10 +5,11 @@ copies a worker publishes (a retry, a wait for a slot, a dead letter). Three thi
 the AMQP backend (``workers.brokers.amqp``) and by the in-memory one, which behaves as it does:
 
 * :func:`guard_content_header` takes a content header frame's payload as it arrived and returns
-  it unchanged when it decodes, or else a payload that does: the properties that decode are
-  kept, the rest dropped, and the headers name what was wrong in ``x-waystation-undecodable``
-  (the worker dead-letters such a message: ``undecodable-metadata``), with the raw properties
-  as a byte array in ``x-waystation-raw-properties``. A header nested deeper than
+  it unchanged when it decodes (with what it decodes to), or else a payload that does: the
+  properties that decode are kept, the rest dropped, and the headers name what was wrong in
+  ``x-waystation-undecodable`` (the worker dead-letters such a message:
+  ``undecodable-metadata``), with the raw properties as a byte array in
+  ``x-waystation-raw-properties``. A header nested deeper than
   :data:`MAX_DEPTH` counts as undecodable: the decoder would run out of stack.
 * :func:`sendable` makes decoded headers into what the client library can encode again: a long
   string that was not UTF-8 (decoded as ``bytes``) becomes a byte array, a double that a single
@@ -42,7 +43,6 @@ __all__ = [
     "MAX_SHORT_STRING",
     "check_encodable",
     "guard_content_header",
-    "guarded_header",
     "properties_of",
     "sendable",
 ]
@@ -65,15 +65,10 @@ _SIZES = {"octet": 1, "timestamp": 8}
 # ---- reading ------------------------------------------------------------------------------------
 
 
-def guard_content_header(payload: bytes) -> bytes:
+def guard_content_header(payload: bytes) -> tuple[bytes, Any | None]:
     """``payload`` (a content header frame's, without the frame's envelope) when it decodes,
-    else one that does (see the module)."""
-    return guarded_header(payload)[0]
-
-
-def guarded_header(payload: bytes) -> tuple[bytes, Any | None]:
-    """:func:`guard_content_header`, with what ``payload`` decoded to when it is returned as it
-    is (pamqp's ``ContentHeader``; None when it was replaced)."""
+    with what it decodes to (pamqp's ``ContentHeader``); else one that does, with None (see the
+    module)."""
     try:
         header = frames.content_header(payload)
         problem = _too_deep(header.properties.headers)

@@ -30,7 +30,7 @@ from aiormq.connection import TCPTransportFactory, TLSTransportFactory, Transpor
 from yarl import URL
 
 from . import frames
-from .metadata import guarded_header
+from .metadata import guard_content_header
 
 __all__ = ["GuardedReader", "GuardedTransport", "guarded_connection"]
 
@@ -88,7 +88,7 @@ class GuardedReader:
         _, channel, size = _HEAD.unpack(first + rest)
         framed = await self._inner.readexactly(size + 1)  # the payload and the frame's end
         payload = framed[:-1]
-        guarded, header = guarded_header(payload)
+        guarded, header = guard_content_header(payload)
         if header is not None:
             if frames.ours():
                 # the reader decodes it next, in this same task: with what the guard decoded
