@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import struct
+from collections.abc import Awaitable
 from typing import Any
 
 import aio_pika
@@ -62,15 +63,27 @@ class GuardedReader:
             return self._guarded.popleft()
         return await self._inner.read(n)
 
-    async def readexactly(self, n: int) -> bytes:
+    def readexactly(self, n: int) -> Awaitable[bytes]:
+        # Not a coroutine itself: a frame's envelope and payload are the inner reader's own
+        # awaitables, handed over as they are (a layer of coroutine per read is a measured share
+        # of a worker's CPU); only a frame's first byte is looked at.
         if self._guarded:
-            return self._take(n)
-        data = await self._inner.readexactly(n)
-        if self._next == 0 and n == 1 and data == b"\x02":
+            return self._handed(n)
+        if self._next or n != 1:
+            self._next = (self._next + 1) % 3
+            return self._inner.readexactly(n)
+        return self._first()
+
+    async def _first(self) -> bytes:
+        data = await self._inner.readexactly(1)
+        if data == b"\x02":
             await self._guard_header(data)
-            return self._take(n)
-        self._next = (self._next + 1) % 3
+            return self._take(1)
+        self._next = 1
         return data
+
+    async def _handed(self, n: int) -> bytes:
+        return self._take(n)
 
     def _take(self, n: int) -> bytes:
         chunk = self._guarded.popleft()
