@@ -6,6 +6,7 @@ run it against RabbitMQ."""
 from __future__ import annotations
 
 import datetime
+import functools
 import re
 from typing import Any
 
@@ -362,3 +363,30 @@ def test_a_pamqp_with_another_layout_keeps_its_own_codec(monkeypatch: pytest.Mon
     assert not frames.install()
     assert pamqp.frame.marshal is PAMQP_MARSHAL and pamqp.frame.unmarshal is PAMQP_UNMARSHAL
     assert not frames.installed()
+
+
+def test_the_dispatcher_guards_the_content_headers_of_waystations_own_frames_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A content header that does not decode (a ``message_id`` that is not UTF-8) fails pamqp's
+    decode, which ends a connection's reader; read as Waystation's own frames, guarded or coded
+    here, it decodes to what the guard salvaged, saying what was wrong. Outside, pamqp's error."""
+    monkeypatch.setattr(pamqp.frame, "marshal", PAMQP_MARSHAL)
+    monkeypatch.setattr(pamqp.frame, "unmarshal", PAMQP_UNMARSHAL)
+    assert frames.install()
+    good = PAMQP_MARSHAL(
+        pamqp.header.ContentHeader(0, 5, Basic.Properties(message_id="m-1", headers={"k": 1})), 3
+    )
+    bad = good.replace(b"m-1", b"m\xff1")
+    for on, guarded in ((True, False), (False, True)):
+        read = frames.context(on, guarded=guarded).run
+        assert decoded(functools.partial(read, pamqp.frame.unmarshal), good) == decoded(
+            PAMQP_UNMARSHAL, good
+        )
+        size, channel, header = read(pamqp.frame.unmarshal, bad)
+        assert (size, channel, header.body_size) == (len(bad), 3, 5)
+        assert header.properties.message_id is None
+        assert header.properties.headers["k"] == 1
+        assert "message_id: not UTF-8" in header.properties.headers["x-waystation-undecodable"]
+    with pytest.raises(Exception, match="ContentHeader"):
+        frames.context(False).run(pamqp.frame.unmarshal, bad)

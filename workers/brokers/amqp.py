@@ -8,12 +8,13 @@ boundary into the port's own (``workers.broker``).
 The hot path goes under aio-pika to aiormq, its AMQP layer, where aio-pika's objects cost a
 measured share of a worker's CPU: publishes and acks are aiormq frames, and consumers take
 aiormq's deliveries as they come (:class:`_DirectQueue`). aio-pika still owns the connection,
-the channels and their recovery. The connection reads its frames through
-``workers.brokers.transport``: a delivery whose metadata cannot be decoded costs that message
-alone, never the connection. Its frames, and only its, are encoded and decoded by
-``workers.brokers.frames`` (the same bytes, faster; ``fast_frames``): the connection opens in a
-context of its own, which its reader inherits, and its publishes and acks are marked; the
-deliveries' handlers run outside it.
+the channels and their recovery. The connection opens in a context of its own
+(``workers.brokers.frames.context``), which its reader inherits, and its publishes and acks are
+marked; the deliveries' handlers run outside it. Its frames, and only its, are decoded through
+the frames' dispatcher, which guards their content headers (a delivery whose metadata cannot be
+decoded costs that message alone, never the connection; without the dispatcher, the guarded
+transport of ``workers.brokers.transport`` does it), and are encoded and decoded by
+``workers.brokers.frames`` (the same bytes, faster; ``fast_frames``).
 
 The broker can say no (``workers.broker``): a nack is :class:`PublishRefused`; a message the
 client cannot encode is :class:`Unsendable` before anything is sent; and one over RabbitMQ's
@@ -249,8 +250,11 @@ class AmqpBroker(Broker):
         fast_frames: bool = True,
     ) -> None:
         self.url = url
-        self.fast_frames = fast_frames and frames.install()
-        """Whether this connection's frames go through ``workers.brokers.frames``."""
+        self._dispatched = frames.install()
+        """Whether this connection's frames are read through the frames' dispatcher, which
+        guards their content headers (else through the guarded transport)."""
+        self.fast_frames = fast_frames and self._dispatched
+        """Whether this connection's frames are coded by ``workers.brokers.frames``."""
         self._management_url = management_url or topology.management_url_of(url)
         self.connection_name = connection_name
         self._delivery_limit = delivery_limit
@@ -277,9 +281,11 @@ class AmqpBroker(Broker):
             # in a context of its own: its reader task, and the reconnections, inherit it
             opening = asyncio.get_running_loop().create_task(
                 guarded_connection(
-                    self.url, client_properties={"connection_name": self.connection_name}
+                    self.url,
+                    client_properties={"connection_name": self.connection_name},
+                    reader=not self._dispatched,
                 ),
-                context=frames.context(self.fast_frames),
+                context=frames.context(self.fast_frames, guarded=self._dispatched),
             )
             self._connection = await opening
             self._publishing = await self._connection.channel(

@@ -14,7 +14,10 @@ their errors and corner cases stay theirs.
 Scoped: :func:`install` puts a dispatcher in pamqp's place (aiormq looks the functions up on
 the ``pamqp.frame`` module at each call) that uses this codec only where :func:`ours` says so
 (a context variable) and pamqp's own functions everywhere else, so that no other connection of
-the process reads or writes differently. Waystation's AMQP backend opens its connection in such
+the process reads or writes differently. The same dispatcher guards the content headers of
+Waystation's own connection (``workers.brokers.metadata.guard_content_header``): one that does
+not decode becomes one that does, instead of ending the connection's reader (whether or not
+this codec codes the rest). Waystation's AMQP backend opens its connection in such
 a context (its reader task inherits it), and marks its own publishes and acks; the deliveries'
 handlers run outside it, so a connection a handler opens is pamqp's alone.
 (``WAYSTATION_FAST_FRAMES`` turns it off; the layout the codec assumes is checked against
@@ -40,7 +43,6 @@ import pamqp.header
 __all__ = [
     "content_header",
     "context",
-    "decoded_ahead",
     "install",
     "installed",
     "marshal",
@@ -433,76 +435,96 @@ def _layout_matches() -> bool:
     )
 
 
-_OURS: contextvars.ContextVar[bool] = contextvars.ContextVar("waystation_frames", default=False)
+_NOT_OURS, _GUARDED, _FAST = 0, 1, 2
+_OURS: contextvars.ContextVar[int] = contextvars.ContextVar("waystation_frames", default=_NOT_OURS)
+"""Whose frames are made or read here: another connection's (pamqp's, unguarded), or
+Waystation's own, whose content headers are guarded, coded by pamqp (``_GUARDED``) or by this
+codec (``_FAST``)."""
+
+_guard: Callable[[bytes], tuple[bytes, Any | None]] | None = None
+"""``workers.brokers.metadata.guard_content_header``, set by :func:`install`."""
 
 
 def ours() -> bool:
-    """Whether the frames made or read here are Waystation's own (the codec's to do)."""
-    return _OURS.get()
+    """Whether the frames made or read here are Waystation's own, for the codec to do."""
+    return _OURS.get() == _FAST
 
 
 class scope:  # (lower case: used as ``with scope():``)
-    """Within the block (in this task), frames are Waystation's own (``on``) or not. (A class:
-    a generator-based context manager costs several times as much, on every publish.)"""
+    """Within the block (in this task), frames are Waystation's own, for the codec (``on``), or
+    not. (A class: a generator-based context manager costs several times as much, on every
+    publish.)"""
 
-    __slots__ = ("_on", "_token")
+    __slots__ = ("_mode", "_token")
 
     def __init__(self, on: bool = True) -> None:
-        self._on = on
+        self._mode = _FAST if on else _NOT_OURS
 
     def __enter__(self) -> None:
-        self._token = _OURS.set(self._on)
+        self._token = _OURS.set(self._mode)
 
     def __exit__(self, *_: object) -> None:
         _OURS.reset(self._token)
 
 
-def context(on: bool = True) -> contextvars.Context:
-    """A copy of the current context whose frames are Waystation's own (``on``) or not: what a
-    task created in it, and every task it creates, inherits."""
+def context(on: bool = True, *, guarded: bool = False) -> contextvars.Context:
+    """A copy of the current context whose frames are Waystation's own, for the codec (``on``),
+    or, with ``guarded`` alone, read with their content headers guarded and coded by pamqp:
+    what a task created in it, and every task it creates, inherits (a connection opened in it
+    reads its frames so). The guard needs :func:`install`."""
     copied = contextvars.copy_context()
-    copied.run(_OURS.set, on)
+    copied.run(_OURS.set, _FAST if on else _GUARDED if guarded else _NOT_OURS)
     return copied
 
 
 def _dispatched_marshal(frame_value: Any, channel_id: int) -> bytes:
-    if _OURS.get():
+    if _OURS.get() == _FAST:
         return marshal(frame_value, channel_id)
     return _pamqp_marshal(frame_value, channel_id)
 
 
-_AHEAD: contextvars.ContextVar[tuple[bytes, Any] | None] = contextvars.ContextVar(
-    "waystation_frame_ahead", default=None
-)
-
-
-def decoded_ahead(frame: bytes, value: Any) -> None:
-    """``frame`` (a whole frame's bytes) is about to be decoded, in this task, and decodes to
-    ``value``, decoded already (by the guard of ``workers.brokers.transport``): the next
-    :func:`unmarshal` of these same bytes here returns it instead of decoding them again."""
-    _AHEAD.set((frame, value))
-
-
 def _dispatched_unmarshal(data_in: bytes) -> tuple[int, int, Any]:
-    if _OURS.get():
-        ahead = _AHEAD.get()
-        if ahead is not None:
-            _AHEAD.set(None)
-            frame, value = ahead
-            if data_in == frame:
-                return len(frame), _HEAD.unpack_from(frame)[1], value
-        return unmarshal(data_in)
+    mode = _OURS.get()
+    if mode:
+        if data_in[:1] == b"\x02":
+            guarded = _guarded_header(data_in)
+            if guarded is not None:
+                return guarded
+        if mode == _FAST:
+            return unmarshal(data_in)
     return _pamqp_unmarshal(data_in)
 
 
+def _guarded_header(data_in: bytes) -> tuple[int, int, Any] | None:
+    """A content header frame of Waystation's own connection, decoded through the guard: as it
+    is when it decodes, else what the guard salvaged of it (the worker dead-letters such a
+    message), so that the connection never fails on it. None when the frame's envelope is not
+    plainly whole (pamqp says what is wrong)."""
+    if len(data_in) < 8 or _guard is None:
+        return None
+    _, channel_id, size = _HEAD.unpack_from(data_in)
+    end = 7 + size
+    if len(data_in) != end + 1 or data_in[end] != _END:
+        return None
+    guarded, header = _guard(data_in[7:end])
+    if header is None:
+        header = content_header(guarded)
+    return end + 1, channel_id, header
+
+
 def install() -> bool:
-    """Put the dispatcher in pamqp's place (idempotent): this codec where :func:`ours`, pamqp's
-    own functions elsewhere. False, and nothing changed, when pamqp's frame layout is not the
-    one this codec knows."""
+    """Put the dispatcher in pamqp's place (idempotent): where the frames are Waystation's own
+    (:func:`context`), content headers guarded (``workers.brokers.metadata``) and this codec
+    where asked for; pamqp's own functions everywhere else. False, and nothing changed, when
+    pamqp's frame layout is not the one this codec knows."""
+    global _guard
     if installed():
         return True
     if not _layout_matches():
         return False
+    from .metadata import guard_content_header  # (it uses this module: imported once here)
+
+    _guard = guard_content_header
     pamqp.frame.marshal = _dispatched_marshal
     pamqp.frame.unmarshal = _dispatched_unmarshal
     return True

@@ -14,7 +14,10 @@ by frame, except a content header that does not decode, which it replaces by one
 worker dead-letters it (``undecodable-metadata``) and the connection stays up.
 
 Nothing here changes how any other connection of the process reads or writes: only a connection
-made with :func:`guarded_connection` goes through it.
+made with :func:`guarded_connection` goes through it. (The worker's own connection needs no
+wrapper: the frames' dispatcher of ``workers.brokers.frames`` guards its content headers as it
+decodes them, at no cost to its other frames. This transport serves the connections that do not
+go through that dispatcher: the client's, the command line's.)
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from aio_pika.abc import AbstractRobustConnection
 from aiormq.connection import TCPTransportFactory, TLSTransportFactory, TransportFactory
 from yarl import URL
 
-from . import frames
 from .metadata import guard_content_header
 
 __all__ = ["GuardedReader", "GuardedTransport", "guarded_connection"]
@@ -102,11 +104,7 @@ class GuardedReader:
         framed = await self._inner.readexactly(size + 1)  # the payload and the frame's end
         payload = framed[:-1]
         guarded, header = guard_content_header(payload)
-        if header is not None:
-            if frames.ours():
-                # the reader decodes it next, in this same task: with what the guard decoded
-                frames.decoded_ahead(b"".join((first, rest, framed)), header)
-        else:
+        if header is None:
             self.guarded += 1
             rest = _HEAD.pack(_CONTENT_HEADER, channel, len(guarded))[1:]
             framed = guarded + framed[-1:]
@@ -139,9 +137,13 @@ class _GuardedConnection(aio_pika.RobustConnection):
 
 
 async def guarded_connection(
-    url: str, *, client_properties: dict[str, Any]
+    url: str, *, client_properties: dict[str, Any], reader: bool = True
 ) -> AbstractRobustConnection:
-    """A robust connection to ``url`` whose frames are read through a :class:`GuardedReader`."""
+    """A robust connection to ``url`` whose frames are read through a :class:`GuardedReader`;
+    with ``reader=False``, aio-pika's own (for a connection whose content headers the frames'
+    dispatcher guards: opened in ``workers.brokers.frames.context``)."""
     return await aio_pika.connect_robust(
-        url, client_properties=client_properties, connection_class=_GuardedConnection
+        url,
+        client_properties=client_properties,
+        connection_class=_GuardedConnection if reader else aio_pika.RobustConnection,
     )
