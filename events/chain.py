@@ -35,10 +35,10 @@ def _event_hash(
     metadata: bytes,
 ) -> bytes:
     """``chain_hash(prev_hash, hash_body(...))`` from parts already encoded: ``stream`` the stream
-    id as JSON, ``data`` and ``metadata`` canonical JSON (``events.codec.canonical``). The body's
-    keys are fixed and every value is encoded on its own, so the canonical encoding of the whole
-    body is theirs put together in sorted key order; nothing is encoded twice (a property test
-    holds it equal to ``chain_hash``)."""
+    id as JSON, ``data`` and ``metadata`` canonical JSON (``waystation.events.codec.canonical``).
+    The body's keys are fixed and every value is encoded on its own, so the canonical encoding of
+    the whole body is theirs put together in sorted key order; nothing is encoded twice (a property
+    test holds it equal to ``chain_hash``)."""
     digest = hashlib.sha256(prev_hash)
     digest.update(
         b"".join(
@@ -76,8 +76,8 @@ def recorded_events(
 ) -> list[RecordedEvent]:
     """The events of an append as the log holds them once it commits: chained, versioned,
     numbered from ``first_position`` (0: positions not known, as for a writer's own copy), and
-    with data and metadata in the form the log gives back (``events.codec.as_stored``), so that
-    a writer's own copy decides exactly as a read of the stream would.
+    with data and metadata in the form the log gives back (``waystation.events.codec.as_stored``),
+    so that a writer's own copy decides exactly as a read of the stream would.
 
     An event made again from the same inputs (its ``NewEvent`` chained at the same place of the
     same stream, after the same hash) is the one made before (``NewEvent._recorded``)."""
@@ -116,7 +116,7 @@ def recorded_events(
             stream_version=version,
             event_id=event.event_id,
             event_type=event.event_type,
-            # as the log gives them back (``events.codec.as_stored``)
+            # as the log gives them back (``waystation.events.codec.as_stored``)
             data=orjson.loads(data),
             metadata=orjson.loads(metadata),
             schema_version=event.schema_version,

@@ -10,7 +10,7 @@ Driver errors never leak out of a backend: each backend translates them at its b
     └── IntegrityError         the log breaks one of its own rules (a bad append, a broken chain),
                                or refuses what it was given; retrying cannot help
 
-What PostgreSQL (``events.postgres``) reports as ``StoreUnavailable``, because the same
+What PostgreSQL (``waystation.events.postgres``) reports as ``StoreUnavailable``, because the same
 statement may well succeed a moment later:
 
 * the connection: refused, reset or lost (``OSError``, an invalidated connection, SQLSTATE

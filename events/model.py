@@ -4,9 +4,9 @@ Every event of a task's stream is a frozen pydantic model below. The log stores 
 :class:`NewEvent` (what a writer appends) and hands it back as a :class:`RecordedEvent` (with its
 stream version, global position, transaction id and hash). Data and metadata travel as plain
 JSON-compatible dicts inside the envelopes; :func:`parse` turns a recorded event back into its
-model, upcast first when it was stored under an older schema version (:mod:`events.upcasting`).
-An event this code cannot read (an unknown type, a schema version newer than it knows) is kept as
-it is and parses to :class:`UnknownEvent`, never dropped.
+model, upcast first when it was stored under an older schema version
+(:mod:`waystation.events.upcasting`). An event this code cannot read (an unknown type, a schema
+version newer than it knows) is kept as it is and parses to :class:`UnknownEvent`, never dropped.
 """
 
 from __future__ import annotations
@@ -174,8 +174,8 @@ class UnknownEvent(DomainEvent):
     """An event this code cannot read; kept verbatim so nothing is lost on read.
 
     Either its type is unknown, or its type is known but its stored schema version cannot be
-    brought to the current one (see :mod:`events.upcasting`): then ``reason`` says why and
-    ``stored_version`` is the version it was written with.
+    brought to the current one (see :mod:`waystation.events.upcasting`): then ``reason`` says why
+    and ``stored_version`` is the version it was written with.
     """
 
     event_type: ClassVar[str] = "?"
@@ -234,9 +234,9 @@ class NewEvent:
     metadata: dict[str, JSON] = field(default_factory=dict)
     schema_version: int = 1
     _recorded: RecordedEvent | None = field(default=None, init=False, repr=False, compare=False)
-    """What ``events.chain.recorded_events`` last made of it, kept: a worker chains a combined
-    append's parts one by one to decide each on the state the ones before leave, then the store
-    chains the whole append; the second time the same inputs give this back."""
+    """What ``waystation.events.chain.recorded_events`` last made of it, kept: a worker chains a
+    combined append's parts one by one to decide each on the state the ones before leave, then the
+    store chains the whole append; the second time the same inputs give this back."""
 
     @classmethod
     def of(

@@ -24,7 +24,7 @@ horizon, which only delays a reader, never makes it skip. ``horizon_holder`` nam
 Errors: every driver or SQLAlchemy error leaves through ``_translate``. What may succeed when
 tried again (the pool or the server out of connections, a cancelled statement, a deadlock, a
 serialization failure, a lost connection, a server shutting down) becomes ``StoreUnavailable``;
-the rest ``IntegrityError``. The full classification is drawn in ``events.errors``.
+the rest ``IntegrityError``. The full classification is drawn in ``waystation.events.errors``.
 """
 
 from __future__ import annotations
@@ -356,8 +356,9 @@ def _sqlstate(error: BaseException) -> str | None:
 
 
 def translate_error(error: Exception) -> EventStoreError:
-    """Map a driver or SQLAlchemy error to the log's own hierarchy (see ``events.errors``); for
-    other tables of the same database too (``workers.penguiflow.artifacts``)."""
+    """Map a driver or SQLAlchemy error to the log's own hierarchy (see
+    ``waystation.events.errors``); for other tables of the same database too
+    (``waystation.penguiflow.artifacts``)."""
     if isinstance(
         error, (asyncpg.exceptions._base.DataError, asyncpg.exceptions.ClientConfigurationError)
     ):
@@ -426,7 +427,7 @@ class PostgresEventStore(EventStore):
     """The log in PostgreSQL. Owns its engine unless one is passed in.
 
     Two pools. The hot path (``append``, ``read_stream``, ``last_event``, ``delete_outbox``) runs
-    on at most ``hot_pool_size`` asyncpg connections of its own (``events.hotpool``; the
+    on at most ``hot_pool_size`` asyncpg connections of its own (``waystation.events.hotpool``; the
     engine's pool size when not given); everything else on SQLAlchemy's. A profile under load
     put a third of the worker's database CPU in SQLAlchemy's checkout and release around each
     hot statement (three greenlet switches and a pool event per statement), and later 5% of the

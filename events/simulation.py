@@ -1,5 +1,6 @@
 """Seeded simulation of task streams: many tasks driven through random lifecycles by the task's
-own decide functions and appended to a real :class:`~events.store.EventStore`, as workers would.
+own decide functions and appended to a real :class:`~waystation.events.store.EventStore`, as workers
+would.
 
 Used by the projection tests (concurrent writers while a runner follows the log) and by the
 rebuild benchmark (a log of realistic streams, fast, without brokers or handlers). Every step is

@@ -1,20 +1,22 @@
 """The event log's port: the contract every backend implements.
 
-A backend (``events.postgres.PostgresEventStore``, ``events.memory.InMemoryEventStore``) keeps one
-stream of events per task and a transactional outbox of messages those events imply.
+A backend (``waystation.events.postgres.PostgresEventStore``,
+``waystation.events.memory.InMemoryEventStore``) keeps one stream of events per task and a
+transactional outbox of messages those events imply.
 
 Contract (the shared suite in ``tests/contract/test_event_store.py`` runs it against every backend):
 
 * ``append(stream, expected_version, events, prev_hash=…, outbox=…)`` writes all of ``events`` at
   versions ``expected_version + 1 …`` and all of ``outbox`` atomically, or nothing.
-  - If the stream is not at ``expected_version`` it raises :class:`~events.errors.VersionConflict`.
+  - If the stream is not at ``expected_version`` it raises
+    :class:`~waystation.events.errors.VersionConflict`.
   - If the first event's id is already in the stream, nothing is written and the result says
     ``duplicate=True``: the same decision was recorded before (a redelivery, a re-run).
     If a later event's id is in the log but the first's is not (decisions appended together,
     one of which was recorded before), nothing is written and it raises ``VersionConflict``:
     read again and decide again.
   - Each event's hash chains to the one before it: ``prev_hash`` must be the hash of the event
-    at ``expected_version`` (:data:`~events.codec.GENESIS_HASH` for a new stream).
+    at ``expected_version`` (:data:`~waystation.events.codec.GENESIS_HASH` for a new stream).
 * ``read_stream`` returns a stream's events in version order; ``last_event`` its newest event
   alone (None for a stream with none), the head a writer appends after.
 * ``read_all(after)`` returns events in commit order, never skipping one that commits later
@@ -112,8 +114,8 @@ class AppendResult:
     duplicate: bool = False
     outbox_ids: tuple[int, ...] = ()
     recorded: tuple[RecordedEvent, ...] = ()
-    """The appended events as the log now holds them (``events.chain.recorded_events``; global
-    positions and tx ids unknown to a database writer): a writer's own copy, already chained.
+    """The appended events as the log now holds them (``waystation.events.chain.recorded_events``;
+    global positions and tx ids unknown to a database writer): a writer's own copy, already chained.
     Empty for a duplicate."""
 
 

@@ -4,8 +4,8 @@ An event's shape is versioned by its class's ``schema_version``; the log keeps t
 event was written with, and never rewrites it (the hash chain covers the stored data). Old events
 are converted on read instead: an *upcaster* is a pure function ``dict -> dict`` registered for
 ``(event_type, from_version)`` that turns the data of ``from_version`` into the data of
-``from_version + 1``. :func:`events.model.parse` runs the chain from the stored version up to the
-class's current one, then validates the result::
+``from_version + 1``. :func:`waystation.events.model.parse` runs the chain from the stored version
+up to the class's current one, then validates the result::
 
     upcasters = Upcasters()
 
@@ -17,16 +17,17 @@ The chain starts from a deep copy of the stored data, so an upcaster that mutate
 still cannot change the recorded event (whose hash must keep verifying).
 
 When the chain cannot be run, :meth:`Upcasters.upcast` raises :class:`UpcastError`, and ``parse``
-turns that into an :class:`~events.model.UnknownEvent` carrying the stored type, version, data and
-the reason, rather than crashing the reader or dropping the event:
+turns that into an :class:`~waystation.events.model.UnknownEvent` carrying the stored type, version,
+data and the reason, rather than crashing the reader or dropping the event:
 
 * ``newer-version``: the stored version is newer than this code knows (a newer writer during a
   rolling upgrade). Upgrade the reader; the event is intact in the log.
 * ``missing-upcaster``: a step of the chain is not registered (a bug: bumping a
   ``schema_version`` needs an upcaster from the version before).
 
-``fold`` ignores such an event like any unknown one, and ``projections.audit.verify_stream``
-reports it as ``unsupported-version``, so an audit never passes over what it could not read.
+``fold`` ignores such an event like any unknown one, and
+``waystation.projections.audit.verify_stream`` reports it as ``unsupported-version``, so an audit
+never passes over what it could not read.
 
 The upcasters of the built-in event types live in :data:`BUILTIN` (none yet: every built-in type
 is at version 1). Register them here, next to the bump of the class's ``schema_version``; nothing
@@ -127,4 +128,5 @@ class Upcasters:
 
 
 BUILTIN = Upcasters()
-"""The upcasters of the built-in event types (``events.model``); ``parse`` uses them by default."""
+"""The upcasters of the built-in event types (``waystation.events.model``); ``parse`` uses them by
+default."""

@@ -15,7 +15,8 @@ invariants checked, but their content hash cannot be recomputed: it covers the s
 
 ``timeline`` turns the stream into one readable entry per event, with how long each pause lasted.
 
-``state_as_of`` is what ``events.task.fold`` said about a task at a past position or time.
+``state_as_of`` is what ``waystation.events.task.fold`` said about a task at a past position or
+time.
 
 ``read_streams`` gives the audit its input: one task's stream, or every stream of the log.
 """
@@ -28,8 +29,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from events.codec import GENESIS_HASH, canonical, chain_hash
-from events.model import (
+from waystation.events.codec import GENESIS_HASH, canonical, chain_hash
+from waystation.events.model import (
     DeadlineExtended,
     DomainEvent,
     RecordedEvent,
@@ -45,8 +46,8 @@ from events.model import (
     UnknownEvent,
     parse,
 )
-from events.store import EventStore, Position
-from events.task import TaskState, fold
+from waystation.events.store import EventStore, Position
+from waystation.events.task import TaskState, fold
 
 __all__ = [
     "PastState",
@@ -71,8 +72,8 @@ class Problem:
     """``version-gap``, ``broken-link``, ``hash-mismatch``, ``unreadable``, ``double-claim``,
     ``double-result``, ``result-without-claim``, ``double-resume``, ``early-resume``,
     ``after-terminal``, ``foreign-event``, ``unsupported-version`` (a schema version this code
-    cannot read, see ``events.upcasting``: its invariants could not be checked), or, in an
-    export only, ``bad-redaction`` (see ``projections.export``)."""
+    cannot read, see ``waystation.events.upcasting``: its invariants could not be checked), or, in
+    an export only, ``bad-redaction`` (see ``waystation.projections.export``)."""
     message: str
 
     def __str__(self) -> str:

@@ -4,8 +4,9 @@ One line per event, a JSON object holding every column the log keeps for it: ``s
 ``stream_version``, ``event_id``, ``event_type``, ``schema_version``, ``data``, ``metadata``,
 ``prev_hash`` and ``hash`` (hex), ``global_position``, ``tx_id``, ``recorded_at`` (ISO-8601),
 plus ``redacted``, the paths whose values were replaced. Keys are sorted, so equal events give
-equal lines. :func:`from_record` reads a line back into the :class:`~events.model.RecordedEvent`
-it came from, so an export can be verified without the database (:func:`verify_export`).
+equal lines. :func:`from_record` reads a line back into the
+:class:`~waystation.events.model.RecordedEvent` it came from, so an export can be verified without
+the database (:func:`verify_export`).
 
 Redaction: the value of every object key named in ``redact_keys`` (``security_context`` by
 default), at any depth of ``data`` or ``metadata``, becomes ``{"redacted": "sha256:<hex>"}``, the
@@ -15,7 +16,7 @@ Paths read ``data.state_delta.security_context``, ``data.calls[0].input.security
 ``data["odd.key"]`` for keys that are not plain names.
 
 Verifying an export: lines are grouped by stream and each stream runs through
-:func:`projections.audit.verify_stream`. The content hash of a redacted event cannot be
+:func:`waystation.projections.audit.verify_stream`. The content hash of a redacted event cannot be
 recomputed (it covers the secret), so only its links and invariants are checked, and the report
 counts such events: a value altered elsewhere in a redacted event cannot be found from the file
 alone. Every path a line lists as redacted must hold a redaction marker (``bad-redaction``
@@ -43,9 +44,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from events.codec import canonical, loads
-from events.model import RecordedEvent
-from events.store import EventStore, Position
+from waystation.events.codec import canonical, loads
+from waystation.events.model import RecordedEvent
+from waystation.events.store import EventStore, Position
 
 from .audit import Problem, verify_stream
 
@@ -375,8 +376,8 @@ async def export_log(
 
 Note = Problem
 """Something an auditor should know about an export that is not a problem in itself; shaped
-like a :class:`~projections.audit.Problem`. Kind ``partial-stream``: the file holds the stream
-from ``stream_version`` on only."""
+like a :class:`~waystation.projections.audit.Problem`. Kind ``partial-stream``: the file holds the
+stream from ``stream_version`` on only."""
 
 
 @dataclass(frozen=True, slots=True)

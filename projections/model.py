@@ -1,8 +1,8 @@
 """The projections as pure functions: a batch of the log's events in, rows changed out.
 
-A runner (``projections.postgres``) reads the log in commit order as :class:`FeedEvent` records,
-each carrying the few fields a projection needs plus two facts looked up in the same stream (the
-task's agent from its ``TaskStarted``, and for a resume or a timeout the pause it belongs to).
+A runner (``waystation.projections.postgres``) reads the log in commit order as :class:`FeedEvent`
+records, each carrying the few fields a projection needs plus two facts looked up in the same stream
+(the task's agent from its ``TaskStarted``, and for a resume or a timeout the pause it belongs to).
 The folds here turn a batch into row changes; the runner writes them set-based, with its
 checkpoint, in one transaction. Nothing here does I/O, so a batch applied to the rows it
 touches gives the same rows however the log is cut into batches: rebuilding from position zero

@@ -2,10 +2,10 @@
 
 Following the log: a batch is read in commit order with the snapshot-horizon cursor
 (``(tx_id, global_position)`` after the checkpoint and below the oldest running transaction of
-this database, ``events.postgres.SNAPSHOT_HORIZON``), so no event that commits late with a small
-position is skipped. ``projection_status`` names the transaction holding the horizon, if any. Each
-batch is one transaction that locks the projection's checkpoint row, reads the batch after it,
-writes the folded rows set-based (one load, one upsert, one delete per table) and moves the
+this database, ``waystation.events.postgres.SNAPSHOT_HORIZON``), so no event that commits late with
+a small position is skipped. ``projection_status`` names the transaction holding the horizon, if
+any. Each batch is one transaction that locks the projection's checkpoint row, reads the batch after
+it, writes the folded rows set-based (one load, one upsert, one delete per table) and moves the
 checkpoint. Two writers of one projection therefore serialise on that row and never apply an
 event twice, whatever happens to the advisory lock.
 
@@ -37,9 +37,9 @@ import sqlalchemy.exc
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from events.codec import dumps, loads
-from events.postgres import SNAPSHOT_HORIZON, HorizonHolder, horizon_holder
-from events.store import Position
+from waystation.events.codec import dumps, loads
+from waystation.events.postgres import SNAPSHOT_HORIZON, HorizonHolder, horizon_holder
+from waystation.events.store import Position
 
 from .model import (
     AgentCounts,

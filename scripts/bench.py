@@ -17,12 +17,12 @@ beside them, three to four minutes, so that it can be run before and after every
 * ``append``: event appends to the PostgreSQL log, batched, by concurrent writers
   (:mod:`_bench.append`);
 * ``rebuild``: projection rebuilds from position zero (:mod:`_bench.rebuild`);
-* ``statestore``: PenguiFlow's ``save_event`` through ``workers.penguiflow`` on the log, by
+* ``statestore``: PenguiFlow's ``save_event`` through ``waystation.penguiflow`` on the log, by
   concurrent callers (:mod:`_bench.statestore`; needs ``waystation[penguiflow]``).
 
 Each run of the worker modes gets a fresh database (``waystation_bench_<random>``, migrated,
 dropped at the end) and a fresh queue prefix (queues deleted at the end), and each session fresh
-``python -m workers.cli worker`` subprocesses of the example app. The workers are stopped with
+``python -m waystation.cli worker`` subprocesses of the example app. The workers are stopped with
 SIGTERM after each session and write their stats file (``WAYSTATION_STATS_FILE``): checkpoint
 latencies (handler returned a pause until its ack) and counters. Per parent, over the whole
 session (warm-up included, so that database statistics are flushed by the exiting backends and
@@ -79,7 +79,6 @@ from _bench.memory import RssSampler, rss_summary
 from _bench.rebuild import rebuild_benchmark
 from _bench.report import fmt, memory_parents, print_report, summarise
 
-import migrations
 from tests.harness.broker import (
     delete_topology,
     deployment_names,
@@ -89,10 +88,11 @@ from tests.harness.broker import (
 )
 from tests.harness.database import with_database
 from tests.harness.processes import ROOT, WorkerProcess, log_problems, stop_all
-from workers.client import Client
-from workers.example import app as example_app
-from workers.example import expected_total
-from workers.settings import Settings
+from waystation import migrations
+from waystation.client import Client
+from waystation.example import app as example_app
+from waystation.example import expected_total
+from waystation.settings import Settings
 
 AGENTS = tuple(example_app.agents)
 SINGLE_WARMUP = 20

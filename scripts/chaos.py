@@ -98,9 +98,6 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
-import migrations
-from events.codec import loads
-from projections.postgres import projection_status
 from tests.harness.broker import (
     apply_queue_policy,
     broker_connections,
@@ -124,9 +121,12 @@ from tests.harness.processes import (
     stop_all,
     waystation_cli,
 )
-from workers.deadletters import DeadLetter, browse
-from workers.example import expected_total
-from workers.settings import Settings
+from waystation import migrations
+from waystation.deadletters import DeadLetter, browse
+from waystation.events.codec import loads
+from waystation.example import expected_total
+from waystation.projections.postgres import projection_status
+from waystation.settings import Settings
 
 K = 3
 ROUNDS = 2

@@ -52,10 +52,6 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
-import migrations
-from events import GENESIS_HASH, chain_hash
-from events.postgres import PostgresEventStore
-from projections.postgres import projection_status
 from tests.harness.broker import (
     delete_topology,
     deployment_names,
@@ -72,11 +68,14 @@ from tests.harness.processes import (
     stop_all,
     waystation_cli,
 )
-from workers import topology
-from workers.client import Client
-from workers.example import app as example_app
-from workers.example import expected_total
-from workers.settings import Settings
+from waystation import migrations, topology
+from waystation.client import Client
+from waystation.events import GENESIS_HASH, chain_hash
+from waystation.events.postgres import PostgresEventStore
+from waystation.example import app as example_app
+from waystation.example import expected_total
+from waystation.projections.postgres import projection_status
+from waystation.settings import Settings
 
 TASKS = 500
 K = 3

@@ -36,12 +36,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import migrations
 from tests.fuzz.campaign import AGENT, Campaign, as_json, summary
 from tests.fuzz.messages import FIXED, Draft, Message, drafts
 from tests.harness.broker import delete_topology, fresh_prefix
 from tests.harness.database import fresh_database_url
-from workers.settings import Settings
+from waystation import migrations
+from waystation.settings import Settings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import pytest_asyncio
 
-import migrations
-from events.postgres import PostgresEventStore
-from workers.settings import Settings
+from waystation import migrations
+from waystation.events.postgres import PostgresEventStore
+from waystation.settings import Settings
 
 from .harness.broker import delete_topology, fresh_prefix
 from .harness.database import fresh_database_url

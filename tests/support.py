@@ -34,12 +34,12 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from aiohttp import web
 from sqlalchemy import text
 
-from events.codec import dumps
-from events.postgres import PostgresEventStore
-from workers.agent import App
-from workers.runtime import Worker
-from workers.settings import Settings
-from workers.wire import Names
+from waystation.agent import App
+from waystation.events.codec import dumps
+from waystation.events.postgres import PostgresEventStore
+from waystation.runtime import Worker
+from waystation.settings import Settings
+from waystation.wire import Names
 
 from .harness.broker import busy_queues, unacked_messages_of, wait_for_consumers
 from .harness.clients import RecordingClient

@@ -1,15 +1,41 @@
-"""Waystation's worker runtime: the handler API, the worker, the publisher client.
+"""Waystation: a broker-driven, event-sourced worker pool for agents that call other agents.
 
-Depends on ``events``; nothing depends on it but the composition root (``workers.cli``).
+The public API: an :class:`App` of agents whose handlers :class:`Complete` or :class:`Pause` on
+:class:`Call` s to other agents, the :class:`Worker` that serves them, and the :class:`Client`
+that submits tasks. The log is ``waystation.events``, its read models ``waystation.projections``,
+the schema's migrations ``waystation.migrations``; the command line is ``waystation.cli``.
+
+Importing this package loads no broker or database driver: :class:`Client` and :class:`Worker`
+(and with them aio-pika, SQLAlchemy and asyncpg) load when first named.
 """
 
-from events import Call, CallResult, Complete, Outcome, Pause
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from waystation.events import Call, CallResult, Complete, Outcome, Pause
 
 from .agent import AgentSpec, App, Handler, TaskContext
-from .client import Client, TaskResult
 from .policies import Backoff, Permanent, PolicyError, Rate, TimeLimitExceeded
-from .runtime import Worker
 from .settings import Settings
+
+if TYPE_CHECKING:
+    from .client import Client, TaskResult
+    from .runtime import Worker
+
+_LAZY = {"Client": ".client", "TaskResult": ".client", "Worker": ".runtime"}
+"""Names whose modules load the drivers: imported on first use."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AgentSpec",

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from events import CallResult, Outcome
+from waystation.events import CallResult, Outcome
 
 from .policies import (
     Backoff,
@@ -94,13 +94,13 @@ class AgentSpec:
     retries: int | None = None
     """Runs after the first when the handler raises (None: ``WAYSTATION_DELIVERY_LIMIT`` - 1)."""
     backoff: Backoff = field(default_factory=Backoff)
-    """The wait before each retry, spent in the broker (``workers.policies``)."""
+    """The wait before each retry, spent in the broker (``waystation.policies``)."""
     time_limit: float | None = None
     """Seconds one run may take; a longer run is cancelled and counts as a failed attempt."""
     concurrency: int | None = None
-    """Most runs of the handler at once across the pool (None: no limit; ``workers.limits``)."""
+    """Most runs of the handler at once across the pool (None: no limit; ``waystation.limits``)."""
     rate: Rate | None = None
-    """Most starts of a run per period across the pool (None: no limit; ``workers.limits``)."""
+    """Most starts of a run per period across the pool (None: no limit; ``waystation.limits``)."""
 
     @property
     def limited(self) -> bool:
@@ -146,11 +146,11 @@ class App:
         """Register the decorated function as the handler of agent ``name``: a coroutine
         function, or a plain function (run in the worker's thread pool). ``input`` and
         ``result`` are the pydantic models of its input and result, if it declares them. Its
-        policies (``workers.policies``): ``retries`` after a raising run (default: the delivery
+        policies (``waystation.policies``): ``retries`` after a raising run (default: the delivery
         limit's), the ``backoff`` between them, a ``time_limit`` per run, and across the pool the
         most runs at once (``concurrency``) and starts per period (``rate``: a
-        :class:`~workers.policies.Rate` or ``"10/s"``); none by default. A policy that cannot
-        work raises :class:`~workers.policies.PolicyError` here, at import time."""
+        :class:`~waystation.policies.Rate` or ``"10/s"``); none by default. A policy that cannot
+        work raises :class:`~waystation.policies.PolicyError` here, at import time."""
         if not name or any(ch.isspace() for ch in name):
             raise ValueError(f"agent names are non-empty and without spaces: {name!r}")
         for role, model in (("input", input), ("result", result)):

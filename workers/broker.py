@@ -1,7 +1,7 @@
 """The broker port: the only way a worker reaches RabbitMQ.
 
-A backend (``workers.brokers.amqp.AmqpBroker`` on aio-pika, ``workers.brokers.memory`` in memory)
-gives the worker deliveries, publishes with confirms, and settles deliveries. It keeps the
+A backend (``waystation.brokers.amqp.AmqpBroker`` on aio-pika, ``waystation.brokers.memory`` in
+memory) gives the worker deliveries, publishes with confirms, and settles deliveries. It keeps the
 quorum-queue semantics the worker relies on.
 
 Contract (the shared suite in ``tests/contract/test_broker.py`` runs it against every backend):
@@ -40,13 +40,13 @@ Contract (the shared suite in ``tests/contract/test_broker.py`` runs it against 
 * A delivery's ``broker_count`` is how many times the broker says it was delivered before
   without being settled: RabbitMQ's ``x-delivery-count``, or ``x-acquired-count`` where the broker
   has it (4.3 and later, whose ``x-delivery-count`` no longer counts a requeue or a dropped
-  consumer). Counting a task's attempts does not rest on it alone (``workers.settle``).
+  consumer). Counting a task's attempts does not rest on it alone (``waystation.settle``).
 * Quorum-queue policy: a message delivered more than the delivery limit times without being
   settled is dead-lettered by the broker itself through the dead-letter exchange.
 
 * Incoming metadata is hostile input: a delivery whose properties or headers cannot be decoded
   still comes, with what could be decoded and the header ``x-waystation-undecodable`` saying
-  what could not (``workers.brokers.metadata``); the connection stays up.
+  what could not (``waystation.brokers.metadata``); the connection stays up.
 
 Errors::
 
@@ -65,7 +65,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from events import OutboxMessage
+from waystation.events import OutboxMessage
 
 from .wire import Names
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from events import Call, Complete, Outcome, Pause
+from waystation.events import Call, Complete, Outcome, Pause
 
 from .agent import App, TaskContext
 

@@ -36,7 +36,7 @@ reason. Reasons (the ``x-waystation-reason`` header of the dead letter):
                             the ids Waystation derives from it could not be sent; its
                             publisher is told
 ``too-large``, ``unencodable``, ``refused``  a message Waystation published that the broker will
-                            not take (``workers.flows.undeliverable``): over its size limit,
+                            not take (``waystation.flows.undeliverable``): over its size limit,
                             not encodable in AMQP, or refused (a full queue) for
                             ``WAYSTATION_REFUSED_RETRY_SECONDS``
 ==========================  ==============================================================
@@ -49,7 +49,7 @@ from typing import Any
 
 import orjson
 
-from events.codec import unstorable
+from waystation.events.codec import unstorable
 
 from .broker import Delivery
 from .brokers.metadata import HEADER_UNDECODABLE

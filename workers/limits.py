@@ -1,8 +1,8 @@
-"""Limits of an agent across the whole pool: ``concurrency`` and ``rate`` (``workers.policies``).
+"""Limits of an agent across the whole pool: ``concurrency`` and ``rate`` (``waystation.policies``).
 
 **Slots.** An agent's ``concurrency`` of N is N slots of kind ``runs``, its ``rate`` of N per
 period N slots of kind ``starts``, kept where every worker sees them: in PostgreSQL, table
-``pool_slots`` (the port ``workers.slots``; in memory for tests and the simulation). Before a
+``pool_slots`` (the port ``waystation.slots``; in memory for tests and the simulation). Before a
 run of the handler starts (a task's first run, a retry, a resumed run), its worker takes one
 free slot of each of the agent's limits, all or none, in one statement that no other worker's
 can interleave with (``FOR UPDATE SKIP LOCKED``). A run without its slots does not start.
@@ -34,7 +34,7 @@ at once, and rounded up to a wait queue's step.
 
 **No task lost, none recorded twice.** A worker that dies between the broker's confirm of the
 copy and the ack of the original leaves two messages of one task. Like a retry's copy, a waiting
-copy is taken as possibly handled before (``workers.settle.sent_again``): the task is looked up
+copy is taken as possibly handled before (``waystation.settle.sent_again``): the task is looked up
 in the log before it runs, and its completion is recorded, so only one outcome stands and its
 publisher gets one answer (the handler may run twice in that window, as after any crash: G1).
 

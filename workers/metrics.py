@@ -32,13 +32,13 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from events.codec import dumps
+from waystation.events.codec import dumps
 
 if TYPE_CHECKING:
     from aiohttp import web
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-    from events.postgres import HorizonHolder, PostgresEventStore
+    from waystation.events.postgres import HorizonHolder, PostgresEventStore
 
 __all__ = ["Health", "HttpServer", "Metrics", "MetricsPortUnavailable"]
 
@@ -299,7 +299,7 @@ async def database_gauges(
 
 
 async def projection_gauges(metrics: Metrics, engine: AsyncEngine) -> None:
-    from projections.postgres import projection_status
+    from waystation.projections.postgres import projection_status
 
     for status in await projection_status(engine):
         metrics.projection_lag_events.labels(status.name).set(status.behind)

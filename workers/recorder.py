@@ -1,10 +1,10 @@
 """Recording decisions: read a task's stream, decide, append, and hand on what the append implies.
 
 Every flow of the worker records through a :class:`Recorder`: it folds the stream into the task's
-state, asks the flow's pure ``decide`` function (``events.task``) for the events, and appends them
-with the messages they imply (G4) in one statement, at the version it read. A conflict (another
-writer appended first) means read and decide again. Event ids derive from what caused them, so
-a redelivery's or a re-run's append finds its events already there and writes nothing
+state, asks the flow's pure ``decide`` function (``waystation.events.task``) for the events, and
+appends them with the messages they imply (G4) in one statement, at the version it read. A conflict
+(another writer appended first) means read and decide again. Event ids derive from what caused them,
+so a redelivery's or a re-run's append finds its events already there and writes nothing
 (``AppendResult.duplicate``).
 
 Two things spare reads: within a worker one lock per stream makes a parent's replies take turns
@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Seque
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from events import (
+from waystation.events import (
     AppendResult,
     DomainEvent,
     EventStore,
@@ -40,8 +40,8 @@ from events import (
     event_id,
     fold,
 )
-from events.chain import recorded_events
-from events.codec import dumps
+from waystation.events.chain import recorded_events
+from waystation.events.codec import dumps
 
 from .broker import Delivery
 from .faults import FaultPlan
@@ -394,7 +394,7 @@ class Recorder:
     ) -> None:
         self.reply_to = reply_to
         """Where the requests of a pause of an agent's task ask for their replies (this
-        worker's reply shard, ``workers.routing``); None: the agent's shared reply queue."""
+        worker's reply shard, ``waystation.routing``); None: the agent's shared reply queue."""
         self.stopping = stopping
         """True once the worker is stopping: an append then gives up on an outage."""
         self.store = store
@@ -513,7 +513,7 @@ class Recorder:
         committing it again would only find them again, forever.
 
         ``extend`` may add to a decision before it is appended (the resumed run's outcome, see
-        ``workers.flows.reply``); it runs again with every re-decision.
+        ``waystation.flows.reply``); it runs again with every re-decision.
 
         ``combine``: decisions on one stream that wait for its lock meanwhile (a parent's replies
         arriving together) are recorded by whichever of them takes the lock first, in one

@@ -3,7 +3,7 @@
 Without routing, a parent's K replies land on whichever workers take them from the agent's
 reply queue. Two workers recording replies of one task race to the same stream version: one
 append fails with a version conflict, reads the stream again and retries; and a worker that did
-not write the stream last has no copy of it (``workers.recorder.StreamCache``), so it reads it
+not write the stream last has no copy of it (``waystation.recorder.StreamCache``), so it reads it
 first. Routing makes the common case one worker per parent:
 
 * Each agent has ``reply_shards`` shard queues ``P<agent>.replies.<n>`` (durable quorum queues,
@@ -15,7 +15,7 @@ first. Routing makes the common case one worker per parent:
   home, and a peer request carries ``reply_to`` = the home shard of the worker that paused the
   task: its replies come back to it, and it decides from its own copy of the stream, without
   conflicts.
-* A worker claims its home in the pool's slot table (``workers.slots``: one ``runs`` slot per
+* A worker claims its home in the pool's slot table (``waystation.slots``: one ``runs`` slot per
   shard, leased and renewed like a concurrency slot), so that two workers rarely call one shard
   home: it takes the free shard it weighs most. Without a free shard (more workers than shards),
   or without the slot table, its home is the shard it weighs most, shared with others.
@@ -38,7 +38,7 @@ import logging
 import uuid
 from collections.abc import Iterable
 
-from events import StoreUnavailable
+from waystation.events import StoreUnavailable
 
 from .slots import Limit, SlotLeases
 from .wire import Names

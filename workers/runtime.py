@@ -1,19 +1,19 @@
 """The worker: consumes an app's queues, records every outcome, then settles the message.
 
 Every delivery goes through the same four steps (docs/internals.md): **decide** (pure, in
-``events.task``), **append** (one statement: the events and the outbox rows they imply, see
-``workers.recorder``), **publish** (the implied messages, ``workers.outbox``), then **settle**
-(``workers.settle``, the one place that acks, requeues or dead-letters, and only after the outcome
-is durable: G1). What each message kind does is its flow (``workers.flows``). Peer requests exist
-only as outbox rows of a committed pause until they are published, so no reply can overtake its
-checkpoint (G5); a worker that dies after the commit leaves the rows to the relay of any other
-worker (G4).
+``waystation.events.task``), **append** (one statement: the events and the outbox rows they imply,
+see ``waystation.recorder``), **publish** (the implied messages, ``waystation.outbox``), then
+**settle** (``waystation.settle``, the one place that acks, requeues or dead-letters, and only after
+the outcome is durable: G1). What each message kind does is its flow (``waystation.flows``). Peer
+requests exist only as outbox rows of a committed pause until they are published, so no reply can
+overtake its checkpoint (G5); a worker that dies after the commit leaves the rows to the relay of
+any other worker (G4).
 
-Every worker also sweeps calls past their deadline (G6, ``workers.sweeper``) and relays
+Every worker also sweeps calls past their deadline (G6, ``waystation.sweeper``) and relays
 unpublished outbox rows. A message that cannot be used is dead-lettered with its reason (G9,
-``workers.intake``). The broker is reached only through its port (``workers.broker``). A run
+``waystation.intake``). The broker is reached only through its port (``waystation.broker``). A run
 of an agent with pool limits (``concurrency``, ``rate``) first takes its slots, and its task
-waits in the broker while they are full (``workers.limits``).
+waits in the broker while they are full (``waystation.limits``).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from events import EventStore, OutboxMessage, StoreUnavailable, parse_subtask_id
-from events.codec import dumps
-from events.postgres import PostgresEventStore
+from waystation.events import EventStore, OutboxMessage, StoreUnavailable, parse_subtask_id
+from waystation.events.codec import dumps
+from waystation.events.postgres import PostgresEventStore
 
 from . import tracing
 from .agent import AgentSpec, App
@@ -68,7 +68,7 @@ class Worker:
 
     ``broker`` is the port to RabbitMQ; by default an aio-pika connection to
     ``settings.amqp_url``. ``slots`` is where the pool keeps the slots of its agents'
-    ``concurrency`` and ``rate`` (``workers.slots``), needed only when an agent declares one; by
+    ``concurrency`` and ``rate`` (``waystation.slots``), needed only when an agent declares one; by
     default the table of the event log's database, when the log is in PostgreSQL. Every worker
     of a pool must share it.
     """
@@ -321,7 +321,7 @@ class Worker:
     async def _undeliverable(
         self, message: OutboxMessage, error: BrokerError
     ) -> OutboxMessage | None:
-        """A committed message the broker will not take (``workers.flows.undeliverable``)."""
+        """A committed message the broker will not take (``waystation.flows.undeliverable``)."""
         return await handle_undeliverable(self.flows, message, error)
 
     # ---- every delivery ----------------------------------------------------------------------

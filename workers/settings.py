@@ -46,13 +46,13 @@ class Settings(BaseSettings):
     """Largest agent state (canonical JSON) a pause may leave: a ``Pause(update=...)`` past it
     fails the task (``StateTooLarge``), without retries."""
     reply_shards: int = Field(default=4, ge=0, le=64)
-    """Reply shards per agent (``workers.routing``): a pause's replies come back to the worker
+    """Reply shards per agent (``waystation.routing``): a pause's replies come back to the worker
     that recorded it, which then decides from its own copy of the stream, without conflicts.
     Use at least as many as workers serving an agent; 0 turns routing off. Lower it only when
     no task is paused: replies waiting in a shard past the new count are not consumed."""
     fast_frames: bool = True
     """The worker's own AMQP connection encodes and decodes its hot path's frames with
-    Waystation's codec (``workers.brokers.frames``: the same bytes as pamqp's, in a fraction of
+    Waystation's codec (``waystation.brokers.frames``: the same bytes as pamqp's, in a fraction of
     the time); no other connection of the process does. Off: pamqp's own codec."""
     resume_in_place: bool = True
     """The worker that records a pause's last reply runs the resumed handler at once and appends
@@ -67,7 +67,7 @@ class Settings(BaseSettings):
     ``delivery-limit``, which dead-letters a message that keeps killing its workers."""
     slot_lease_seconds: float = Field(default=30.0, gt=0, le=3600)
     """How long a run's concurrency slot stays taken without its worker renewing it (every third
-    of this): a worker that dies gives its slots back within this time (``workers.limits``)."""
+    of this): a worker that dies gives its slots back within this time (``waystation.limits``)."""
     limit_wait_max: float = Field(default=2.0, ge=0.1, le=3600)
     """Longest wait in the broker between two tries of a task whose agent's concurrency is full
     (its waits start at 0.1 s and double), in seconds."""
@@ -106,7 +106,7 @@ class Settings(BaseSettings):
     db_pool_size: int = Field(default=16, ge=1)
     """Database connections per worker, at most (all but two serve the hot path's statements on
     asyncpg connections of their own, two the rest on SQLAlchemy's;
-    ``events.postgres.split_pool``); handlers wait for one when all are busy."""
+    ``waystation.events.postgres.split_pool``); handlers wait for one when all are busy."""
     metrics_port: int = Field(default=9464, ge=0, le=65535)
     """Port of the worker's (and the projection runner's) ``/metrics`` and ``/healthz``; 0 turns
     the endpoint off. Two processes on one host need two ports."""

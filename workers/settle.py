@@ -13,11 +13,11 @@ effect has committed (G1).
   Waystation counts attempts itself, so the count means the same on every broker version
   (RabbitMQ 4.3 no longer counts a requeue in ``x-delivery-count``).
 * A wait (a run that found no free slot of its agent's ``concurrency`` or ``rate``,
-  ``workers.limits``) is a copy sent back the same way, after its delay, carrying how often it
+  ``waystation.limits``) is a copy sent back the same way, after its delay, carrying how often it
   waited (``x-waystation-waits``) and its failed runs unchanged: waiting is not an attempt.
 
 When a copy cannot be published the delivery is requeued instead, so nothing is lost. A copy
-carries the delivery's headers made sendable (``workers.brokers.metadata.sendable``), and its
+carries the delivery's headers made sendable (``waystation.brokers.metadata.sendable``), and its
 publisher's AMQP user (``x-waystation-user``); whatever goes wrong while settling, the delivery is
 settled (requeued at worst), never left holding its place in the prefetch.
 
@@ -36,8 +36,8 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from events import OutboxMessage
-from events.codec import loads
+from waystation.events import OutboxMessage
+from waystation.events.codec import loads
 
 from .broker import (
     Broker,

@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from events import EventStore, ExpiredCall, decide_timeout
+from waystation.events import EventStore, ExpiredCall, decide_timeout
 
 from .logs import log_context
 from .observer import Observer

@@ -22,7 +22,7 @@ from aio_pika.abc import AbstractChannel
 from aiormq.abc import FieldTable
 from yarl import URL
 
-from events.codec import dumps
+from waystation.events.codec import dumps
 
 from .settle import crash_limit
 from .wire import Names
@@ -73,7 +73,7 @@ def wait_queue_arguments(milliseconds: int) -> FieldTable:
 def policy_definition(names: Names, delivery_limit: int) -> tuple[str, dict[str, object]]:
     """The policy's pattern and definition (also what compose's definitions file holds).
 
-    Waystation counts attempts and fails a task at its own limits (``workers.settle``); the
+    Waystation counts attempts and fails a task at its own limits (``waystation.settle``); the
     broker's ``delivery-limit`` is a backstop past those (a message the workers never get to
     settle at all), set one above the crash limit so that Waystation's own reason comes first.
     """

@@ -45,7 +45,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from events import (
+from waystation.events import (
     DomainEvent,
     ResultRecorded,
     TaskCancelled,
@@ -87,7 +87,8 @@ _HEX32 = re.compile(r"[0-9a-f]{32}")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}")
 
 
-# ---- ids: pure functions, used by workers.wire whether or not tracing is on --------------------
+# ---- ids: pure functions, used by waystation.wire whether or not tracing is on
+# --------------------
 
 
 @functools.lru_cache(maxsize=4096)

@@ -8,12 +8,12 @@ Queues (``P`` is the queue prefix, ``waystation.`` by default):
 
 * ``P<agent>``          quorum queue of an agent's tasks and resumes (the consumer group)
 * ``P<agent>.replies``  quorum queue of the replies to that agent's peer calls
-* ``P<agent>.replies.<n>``  its reply shards (``workers.routing``): a peer request's ``reply_to``
+* ``P<agent>.replies.<n>``  its reply shards (``waystation.routing``): a peer request's ``reply_to``
   names one, so that the replies come back to the worker that paused the task
 * ``P dead-letter``     quorum queue behind the dead-letter exchange ``Pdlx`` (fanout)
 
 Message ``type`` property: on ``P<agent>``: ``task`` (default when absent), ``cancel``,
-``resume`` (internal), ``query`` (what the log records about a task; ``workers.flows.query``);
+``resume`` (internal), ``query`` (what the log records about a task; ``waystation.flows.query``);
 on ``P<agent>.replies``: ``result`` (default when absent), ``progress``.
 """
 
@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from events import (
+from waystation.events import (
     DomainEvent,
     OutboxMessage,
     ResultRecorded,
@@ -36,7 +36,7 @@ from events import (
     TaskResumed,
     TaskState,
 )
-from events.codec import dumps
+from waystation.events.codec import dumps
 
 from . import tracing
 
@@ -66,7 +66,7 @@ HEADER_TRACE = "x-waystation-trace-id"
 HEADER_TRACEPARENT = tracing.HEADER_TRACEPARENT
 """W3C Trace Context: a publisher that sends it (and no HEADER_TRACE) has its trace id used, and
 its span is the parent of the task's first run. Every message a worker publishes carries one
-(``workers.tracing``), naming the step that sent it: a request its call, a result its task's
+(``waystation.tracing``), naming the step that sent it: a request its call, a result its task's
 outcome, a resume the resume."""
 HEADER_ROOT = "x-waystation-root-task"
 """The root task of a call tree; a peer request carries it so every event names its root."""
@@ -79,14 +79,14 @@ stopped counting a requeue in ``x-delivery-count``)."""
 
 HEADER_WAITS = "x-waystation-waits"
 """How often this message waited in the broker for a free slot of its agent's ``concurrency`` or
-``rate`` (``workers.limits``): set by a worker on the copy it sends back instead of running it.
+``rate`` (``waystation.limits``): set by a worker on the copy it sends back instead of running it.
 Waiting is not an attempt; ``HEADER_ATTEMPTS`` goes on unchanged."""
 
 HEADER_USER = "x-waystation-user"
 """On a copy a worker sends back (a retry, a wait for a slot) or dead-letters: the AMQP user
 that published the original (its ``user_id``), which the copy cannot carry as its own property
 (RabbitMQ checks that against the connection's user). A worker trusts it only on a message whose
-``user_id`` is the workers' own user (``workers.settle.Settler.received``)."""
+``user_id`` is the workers' own user (``waystation.settle.Settler.received``)."""
 
 HEADER_REASON = "x-waystation-reason"
 """On a dead letter: why, as a machine-readable code (docs/failures.md)."""
@@ -108,7 +108,7 @@ TYPE_PROGRESS = "progress"
 @dataclass(frozen=True, slots=True)
 class Names:
     """The broker names of one deployment (one queue prefix), with its reply shards
-    (``workers.routing``; 0: none)."""
+    (``waystation.routing``; 0: none)."""
 
     prefix: str = "waystation."
     reply_shards: int = 0
@@ -144,7 +144,7 @@ class Names:
 
     def wait(self, milliseconds: int) -> str:
         """The wait queue (and its exchange) where a retry spends ``milliseconds`` before it
-        returns to its queue (``workers.policies``)."""
+        returns to its queue (``waystation.policies``)."""
         return f"{self.prefix}retry-wait.{milliseconds}ms"
 
 
@@ -212,7 +212,7 @@ def trace_id_of(headers: Mapping[str, Any] | None, default: str) -> str:
 
 
 def _headers(state: TaskState, step: str) -> dict[str, Any]:
-    """The headers of a message sent by the step ``step`` (a ``workers.tracing`` key) of the task
+    """The headers of a message sent by the step ``step`` (a ``waystation.tracing`` key) of the task
     ``state``: its root, its trace and, as ``traceparent``, that step's span."""
     headers: dict[str, Any] = {HEADER_ROOT: state.root_id or state.task_id}
     if state.trace_id:
@@ -290,7 +290,7 @@ def implied_messages(
 
     ``state`` must describe the task (its agent, origin, trace) as of these events: for a new
     task, the state folded from the ``TaskStarted`` among them. ``reply_to``: where a pause's
-    requests ask for their replies (the recording worker's reply shard, ``workers.routing``);
+    requests ask for their replies (the recording worker's reply shard, ``waystation.routing``);
     by default the agent's shared reply queue.
     """
     agent = state.agent or ""

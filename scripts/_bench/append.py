@@ -1,9 +1,9 @@
 """The event-append benchmark: how many events per second the PostgreSQL log takes.
 
 A fresh database (``waystation_bench_append_<random>``, migrated, dropped at the end) and the
-real :class:`events.postgres.PostgresEventStore` with a pool of one connection per writer.
-``writers`` concurrent writers each append batches of ``batch`` events to a stream of their own
-(``per_stream`` appends to a stream, then a new stream), at the version they wrote last and
+real :class:`waystation.events.postgres.PostgresEventStore` with a pool of one connection per
+writer. ``writers`` concurrent writers each append batches of ``batch`` events to a stream of their
+own (``per_stream`` appends to a stream, then a new stream), at the version they wrote last and
 chained to the hash they got back, as a worker does. The events are what a worker records for
 replies (``SubtaskClaimed`` + ``ResultRecorded`` pairs with a researcher's answer and a worker's
 metadata), built before the clock starts: the figure is the log's (hashing, encoding, the
@@ -21,11 +21,11 @@ import time
 import uuid
 from typing import Any
 
-import migrations
-from events.codec import GENESIS_HASH
-from events.model import EventMetadata, NewEvent, ResultRecorded, SubtaskClaimed
-from events.postgres import PostgresEventStore
 from tests.harness.database import with_database
+from waystation import migrations
+from waystation.events.codec import GENESIS_HASH
+from waystation.events.model import EventMetadata, NewEvent, ResultRecorded, SubtaskClaimed
+from waystation.events.postgres import PostgresEventStore
 
 from . import percentile
 

@@ -4,7 +4,7 @@
 ``parent(n, k)`` replaces itself with a chord of ``k`` ``child(n + i)`` tasks whose callback
 ``total`` sums their answers; the replacement takes over the parent's task id, so the parent's
 result (what the client waits for) is the callback's ``{"n": n, "total": ...}``, the same value
-as the Waystation example app's orchestrator (:func:`workers.example.expected_total`).
+as the Waystation example app's orchestrator (:func:`waystation.example.expected_total`).
 
 The Celery worker processes import this module (``celery -A _bench.celery_app worker``) and read
 their configuration from the environment, set by :mod:`_bench.celery_job`:

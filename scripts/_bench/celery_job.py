@@ -330,7 +330,7 @@ class CelerySide:
         its result, so there is one ``get`` per parent)."""
         from celery.exceptions import TimeoutError as CeleryTimeout
 
-        from workers.example import expected_total
+        from waystation.example import expected_total
 
         from .celery_app import PARENT
 

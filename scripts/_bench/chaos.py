@@ -41,11 +41,11 @@ import aio_pika
 import aiohttp
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
-from events import canonical
-from events.codec import dumps, loads
 from tests.harness.clients import DurableResultCollector
-from workers.deadletters import DeadLetter
-from workers.wire import CONTENT_TYPE, TYPE_TASK
+from waystation.deadletters import DeadLetter
+from waystation.events import canonical
+from waystation.events.codec import dumps, loads
+from waystation.wire import CONTENT_TYPE, TYPE_TASK
 
 __all__ = [
     "FAULT_KINDS",

@@ -1,10 +1,10 @@
 """The projection-rebuild benchmark: how fast a projection is rebuilt from position zero.
 
 A fresh database (``waystation_bench_rebuild_<random>``, dropped at the end) is filled with at
-least ``events`` events by :func:`events.simulation.simulate` (8 concurrent writers driving tasks
-through random lifecycles with the task's own decide functions, as workers append them). The
-live projections are brought up to date first, then each run rebuilds every projection with
-``rebuild(check_only=True)``: replay from zero into a shadow table, compare with the live one,
+least ``events`` events by :func:`waystation.events.simulation.simulate` (8 concurrent writers
+driving tasks through random lifecycles with the task's own decide functions, as workers append
+them). The live projections are brought up to date first, then each run rebuilds every projection
+with ``rebuild(check_only=True)``: replay from zero into a shadow table, compare with the live one,
 drop the shadow. Events per second = events replayed / the whole rebuild's wall time (shadow
 creation and the comparison included). Each run's entry also has the slowest projection's rate
 (the bench's ``rebuild_events_per_s``: every projection rebuilds at least that fast).
@@ -19,11 +19,11 @@ from typing import Any
 
 from sqlalchemy import text
 
-import migrations
-from events.postgres import PostgresEventStore
-from events.simulation import simulate
-from projections.postgres import PROJECTIONS, catch_up, create_engine, rebuild
 from tests.harness.database import with_database
+from waystation import migrations
+from waystation.events.postgres import PostgresEventStore
+from waystation.events.simulation import simulate
+from waystation.projections.postgres import PROJECTIONS, catch_up, create_engine, rebuild
 
 EVENTS_PER_TASK = 8.5  # about what simulate() writes per task; only sizes the first round
 

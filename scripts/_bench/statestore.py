@@ -1,9 +1,9 @@
 """The PenguiFlow StateStore benchmark: how fast ``save_event`` records a flow's events in the log.
 
 A fresh database (``waystation_bench_statestore_<random>``, migrated, dropped at the end) and
-the real adapter, ``workers.penguiflow.WaystationStateStore`` on
-:class:`events.postgres.PostgresEventStore` (a pool of 8 connections), as one process of a
-PenguiFlow deployment would hold it. ``concurrency`` callers save ``events`` distinct events
+the real adapter, ``waystation.penguiflow.WaystationStateStore`` on
+:class:`waystation.events.postgres.PostgresEventStore` (a pool of 8 connections), as one process of
+a PenguiFlow deployment would hold it. ``concurrency`` callers save ``events`` distinct events
 (``node_start``/``node_success`` of a flow, with the runtime's payload fields) spread over
 ``traces`` traces, each caller awaiting one save at a time, as PenguiFlow's runtime does per
 message. Events/s = distinct events / wall time. A second phase saves the same number of calls
@@ -20,9 +20,9 @@ import time
 import uuid
 from typing import Any
 
-import migrations
-from events.postgres import PostgresEventStore
 from tests.harness.database import with_database
+from waystation import migrations
+from waystation.events.postgres import PostgresEventStore
 
 from . import percentile
 
@@ -85,7 +85,7 @@ async def statestore_benchmark(
     admin_url: str, *, events: int, traces: int, concurrency: int, runs: int
 ) -> dict[str, Any]:
     """``runs`` runs of the distinct and the half-repeated phase; every run and the medians."""
-    from workers.penguiflow import WaystationStateStore
+    from waystation.penguiflow import WaystationStateStore
 
     url = with_database(admin_url, f"waystation_bench_statestore_{uuid.uuid4().hex[:8]}")
     await migrations.upgrade(url)

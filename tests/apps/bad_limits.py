@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from events import Complete, Outcome
-from workers import App, TaskContext
+from waystation import App, TaskContext
+from waystation.events import Complete, Outcome
 
 app = App()
 

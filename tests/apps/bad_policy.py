@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from events import Complete, Outcome
-from workers import App, Backoff, TaskContext
+from waystation import App, Backoff, TaskContext
+from waystation.events import Complete, Outcome
 
 app = App()
 

@@ -1,5 +1,5 @@
 """The chaos run's app (``scripts/chaos``, ``--app tests.apps.chaos:app``): the example app's
-``orchestrator`` and ``researcher`` (``workers.example``), unchanged, except that an
+``orchestrator`` and ``researcher`` (``waystation.example``), unchanged, except that an
 orchestrator whose input has ``"pad": N`` completes with ``"pad": "x" * N`` added to its result.
 
 The run uses it to make results larger than a message may be: over the workers'
@@ -10,10 +10,10 @@ gets an ``undeliverable-result`` error). Without ``pad`` it is the example app.
 
 from __future__ import annotations
 
-from events import Complete, Outcome
-from workers import App, TaskContext
-from workers.example import orchestrator as example_orchestrator
-from workers.example import researcher
+from waystation import App, TaskContext
+from waystation.events import Complete, Outcome
+from waystation.example import orchestrator as example_orchestrator
+from waystation.example import researcher
 
 app = App()
 app.agent("researcher")(researcher)

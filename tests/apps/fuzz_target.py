@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 
-from events import Complete, Outcome
-from workers import App, Backoff, TaskContext
+from waystation import App, Backoff, TaskContext
+from waystation.events import Complete, Outcome
 
 app = App()
 

@@ -9,8 +9,8 @@ import asyncio
 import os
 import time
 
-from events import Complete, Outcome
-from workers import App, Backoff, Permanent, TaskContext
+from waystation import App, Backoff, Permanent, TaskContext
+from waystation.events import Complete, Outcome
 
 app = App()
 

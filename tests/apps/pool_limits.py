@@ -12,8 +12,8 @@ import time
 
 import asyncpg
 
-from events import Complete, Outcome
-from workers import App, Rate, TaskContext
+from waystation import App, Rate, TaskContext
+from waystation.events import Complete, Outcome
 
 app = App()
 

@@ -19,8 +19,7 @@ import aio_pika
 import pytest
 import pytest_asyncio
 
-from events import OutboxMessage
-from workers.broker import (
+from waystation.broker import (
     Broker,
     BrokerUnavailable,
     Delivery,
@@ -28,12 +27,13 @@ from workers.broker import (
     Unroutable,
     Unsendable,
 )
-from workers.brokers import frames
-from workers.brokers.amqp import AmqpBroker
-from workers.brokers.memory import InMemoryBroker, InMemoryConnection
-from workers.brokers.metadata import HEADER_RAW, HEADER_UNDECODABLE
-from workers.topology import clear_policy, policy_definition
-from workers.wire import Names
+from waystation.brokers import frames
+from waystation.brokers.amqp import AmqpBroker
+from waystation.brokers.memory import InMemoryBroker, InMemoryConnection
+from waystation.brokers.metadata import HEADER_RAW, HEADER_UNDECODABLE
+from waystation.events import OutboxMessage
+from waystation.topology import clear_policy, policy_definition
+from waystation.wire import Names
 
 from ..harness.broker import (
     broker_size_limit,
@@ -117,7 +117,7 @@ class Backend:
 
 
 class BrokerContract:
-    """The behaviour every backend of :class:`~workers.broker.Broker` shares."""
+    """The behaviour every backend of :class:`~waystation.broker.Broker` shares."""
 
     @pytest.fixture
     def backend(self) -> Backend:
@@ -149,7 +149,7 @@ class BrokerContract:
     async def test_deliveries_go_to_the_highest_priority_consumer_with_room(
         self, backend: Backend
     ) -> None:
-        """Reply routing rests on this (``workers.routing``): a lower consumer gets a delivery
+        """Reply routing rests on this (``waystation.routing``): a lower consumer gets a delivery
         only while every higher one holds its prefetch."""
         low_broker, high_broker = await backend.open(), await backend.open()
         await low_broker.declare(backend.names, [AGENT])
@@ -624,7 +624,7 @@ class TestAmqpBroker(BrokerContract):
     async def test_only_its_own_frames_go_through_the_fast_codec(
         self, backend: Backend, services: Services, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """``workers.brokers.frames`` takes pamqp's place for the whole process, yet codes only
+        """``waystation.brokers.frames`` takes pamqp's place for the whole process, yet codes only
         the broker's own frames: a connection the test opens, or a handler opens while it runs
         on a delivery, is pamqp's alone, before and after the broker reconnects."""
         seen: list[bytes] = []

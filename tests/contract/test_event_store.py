@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from events import (
+from waystation.events import (
     GENESIS_HASH,
     EventStore,
     IntegrityError,
@@ -38,10 +38,10 @@ from events import (
     chain_hash,
     parse,
 )
-from events.chain import chain, recorded_events
-from events.codec import dumps
-from events.memory import InMemoryEventStore
-from events.postgres import PostgresEventStore
+from waystation.events.chain import chain, recorded_events
+from waystation.events.codec import dumps
+from waystation.events.memory import InMemoryEventStore
+from waystation.events.postgres import PostgresEventStore
 
 # ---- helpers -------------------------------------------------------------------------------------
 
@@ -149,7 +149,7 @@ async def claim_ids(store: EventStore, **kwargs: Any) -> dict[int, OutboxMessage
 
 
 class EventStoreContract:
-    """The behaviour every backend of :class:`~events.store.EventStore` shares."""
+    """The behaviour every backend of :class:`~waystation.events.store.EventStore` shares."""
 
     @pytest.fixture
     def store(self) -> EventStore:

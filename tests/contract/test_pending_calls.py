@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from events import (
+from waystation.events import (
     GENESIS_HASH,
     DeadlineExtended,
     DomainEvent,
@@ -44,8 +44,8 @@ from events import (
     event_id,
     fold,
 )
-from events.memory import InMemoryEventStore
-from events.postgres import PostgresEventStore
+from waystation.events.memory import InMemoryEventStore
+from waystation.events.postgres import PostgresEventStore
 
 from ..support import WINDOW, eventually
 

@@ -32,9 +32,9 @@ from alembic.config import Config
 from sqlalchemy import inspect, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-import migrations
-from events import StoreUnavailable
-from events.postgres import create_engine
+from waystation import migrations
+from waystation.events import StoreUnavailable
+from waystation.events.postgres import create_engine
 
 from ..harness.database import columns_migrated_and_declared, fresh_database_url
 from ..support import Capability, Services, eventually, require
@@ -52,7 +52,7 @@ if INSTALLED:  # else every test stops at require() before it needs these
         discover_artifact_store,
     )
 
-    from workers.penguiflow.artifacts import (
+    from waystation.penguiflow.artifacts import (
         Blob,
         MemoryBlobs,
         PostgresBlobs,
@@ -272,7 +272,7 @@ class ArtifactStoreContract:
         store, scope = backend.store(), fresh_scope()
         ref = await store.put_bytes(content("honest"), scope=scope)
         await backend.tamper(ref.id, content("forged"))
-        with caplog.at_level(logging.ERROR, logger="workers.penguiflow.artifacts"):
+        with caplog.at_level(logging.ERROR, logger="waystation.penguiflow.artifacts"):
             assert await store.get(ref.id) is None
         assert f"artifact {ref.id}: its bytes do not match their SHA-256" in caplog.text
         assert await store.get_ref(ref.id) == ref, "the reference itself is intact"

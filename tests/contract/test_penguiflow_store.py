@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from events import EventStore, RecordedEvent, StoreUnavailable
-from events.memory import InMemoryEventStore
-from events.postgres import PostgresEventStore
-from projections.audit import verify_stream
+from waystation.events import EventStore, RecordedEvent, StoreUnavailable
+from waystation.events.memory import InMemoryEventStore
+from waystation.events.postgres import PostgresEventStore
+from waystation.projections.audit import verify_stream
 
 from ..support import penguiflow_capability, require
 
@@ -47,7 +47,7 @@ from penguiflow.steering import (  # noqa: E402
     MAX_STEERING_STRING,
 )
 
-from workers.penguiflow import (  # noqa: E402
+from waystation.penguiflow import (  # noqa: E402
     GLOBAL_TRACE,
     WaystationStateStore,
     create_memory_store,
@@ -659,7 +659,7 @@ class TestOnPostgreSQL(StateStoreContract):
 
 
 def test_a_long_or_odd_key_gets_a_stream_name_the_index_can_hold() -> None:
-    from workers.penguiflow.streams import stream_name
+    from waystation.penguiflow.streams import stream_name
 
     assert stream_name("trace", "abc") == "penguiflow:trace:abc"
     assert stream_name("memory", "tenant:user:s") == "penguiflow:memory:tenant:user:s"

@@ -15,11 +15,11 @@ import uuid
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from events import StoreUnavailable
-from events.postgres import PostgresEventStore, create_engine
-from workers.slots import Limit, Refusal, SlotLeases
-from workers.slots.memory import MemorySlotLeases
-from workers.slots.postgres import PostgresSlotLeases, pool_slots_table
+from waystation.events import StoreUnavailable
+from waystation.events.postgres import PostgresEventStore, create_engine
+from waystation.slots import Limit, Refusal, SlotLeases
+from waystation.slots.memory import MemorySlotLeases
+from waystation.slots.postgres import PostgresSlotLeases, pool_slots_table
 
 from ..harness.database import columns_migrated_and_declared
 

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from events import GENESIS_HASH, EventStore, IntegrityError, NewEvent
-from events.memory import InMemoryEventStore
-from events.postgres import PostgresEventStore
+from waystation.events import GENESIS_HASH, EventStore, IntegrityError, NewEvent
+from waystation.events.memory import InMemoryEventStore
+from waystation.events.postgres import PostgresEventStore
 
 
 def event(data: dict[str, object]) -> NewEvent:

@@ -10,17 +10,17 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from events import OutboxMessage
-from events.codec import dumps, loads
-from events.memory import InMemoryEventStore
-from workers.agent import App
-from workers.broker import Delivery
-from workers.brokers.memory import InMemoryBroker, InMemoryConnection
-from workers.runtime import Worker
-from workers.settings import Settings
-from workers.slots.memory import MemorySlotLeases
-from workers.topology import policy_definition
-from workers.wire import CONTENT_TYPE, Names
+from waystation.agent import App
+from waystation.broker import Delivery
+from waystation.brokers.memory import InMemoryBroker, InMemoryConnection
+from waystation.events import OutboxMessage
+from waystation.events.codec import dumps, loads
+from waystation.events.memory import InMemoryEventStore
+from waystation.runtime import Worker
+from waystation.settings import Settings
+from waystation.slots.memory import MemorySlotLeases
+from waystation.topology import policy_definition
+from waystation.wire import CONTENT_TYPE, Names
 
 PREFIX = "mem."
 RESULTS = "mem.test-results"

@@ -1,6 +1,6 @@
 """When the broker says no, or a publisher sends what it should not (issue 28): each refusal and
 each hostile message costs that message alone. The in-memory broker refuses as RabbitMQ does
-(``workers.brokers.memory``); ``tests/integration/test_broker_says_no.py`` runs the same cases
+(``waystation.brokers.memory``); ``tests/integration/test_broker_says_no.py`` runs the same cases
 that need the real broker's own refusals."""
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from collections import Counter
 
 import pytest
 
-from events import Call, Complete, OutboxMessage, Outcome, Pause
-from events.codec import dumps
-from events.memory import InMemoryEventStore
-from events.task import MAX_IGNORED_REPLIES
-from workers.agent import App, TaskContext
-from workers.brokers.memory import InMemoryBroker
-from workers.brokers.metadata import HEADER_RAW
-from workers.observer import Observer
-from workers.outbox import OutboxPublisher
-from workers.wire import Names
+from waystation.agent import App, TaskContext
+from waystation.brokers.memory import InMemoryBroker
+from waystation.brokers.metadata import HEADER_RAW
+from waystation.events import Call, Complete, OutboxMessage, Outcome, Pause
+from waystation.events.codec import dumps
+from waystation.events.memory import InMemoryEventStore
+from waystation.events.task import MAX_IGNORED_REPLIES
+from waystation.observer import Observer
+from waystation.outbox import OutboxPublisher
+from waystation.wire import Names
 
 from .harness import RESULTS, World, eventually, settings, world
 
@@ -172,7 +172,7 @@ async def test_a_relay_never_stalls_on_a_row_the_broker_refuses() -> None:
     async def append(message_id: str, queue: str) -> None:
         import uuid
 
-        from events import GENESIS_HASH, NewEvent
+        from waystation.events import GENESIS_HASH, NewEvent
 
         await store.append(
             message_id,

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from events import (
+from waystation.agent import App, TaskContext
+from waystation.events import (
     Call,
     Complete,
     NewEvent,
@@ -25,10 +26,9 @@ from events import (
     RecordedEvent,
     ReplyIgnored,
 )
-from events.codec import dumps
-from events.model import EventMetadata
-from workers.agent import App, TaskContext
-from workers.runtime import Worker
+from waystation.events.codec import dumps
+from waystation.events.model import EventMetadata
+from waystation.runtime import Worker
 
 from .harness import World, eventually, settings, world
 

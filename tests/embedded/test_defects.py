@@ -9,7 +9,8 @@ from collections import Counter
 
 import pytest
 
-from events import (
+from waystation.agent import App, TaskContext
+from waystation.events import (
     Call,
     Complete,
     EventMetadata,
@@ -21,9 +22,8 @@ from events import (
     event_id,
     fold,
 )
-from events.codec import dumps
-from workers.agent import App, TaskContext
-from workers.observer import CHECKPOINT_SAMPLES, WorkerStats
+from waystation.events.codec import dumps
+from waystation.observer import CHECKPOINT_SAMPLES, WorkerStats
 
 from .harness import World, eventually, world
 

@@ -1,6 +1,6 @@
-"""Pool limits (``workers.limits``) on the in-memory broker, store and slots: a concurrency counted
-across workers, waiting that burns no attempt, a limited agent's resume travelling as a message,
-and the copy a worker leaves when it dies between parking a task and acking it."""
+"""Pool limits (``waystation.limits``) on the in-memory broker, store and slots: a concurrency
+counted across workers, waiting that burns no attempt, a limited agent's resume travelling as a
+message, and the copy a worker leaves when it dies between parking a task and acking it."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from events import Call, Complete, OutboxMessage, Outcome, Pause
-from events.codec import dumps
-from events.memory import InMemoryEventStore
-from workers.agent import App, TaskContext
-from workers.brokers.memory import InMemoryBroker
-from workers.runtime import Worker
-from workers.wire import CONTENT_TYPE, HEADER_WAITS
+from waystation.agent import App, TaskContext
+from waystation.brokers.memory import InMemoryBroker
+from waystation.events import Call, Complete, OutboxMessage, Outcome, Pause
+from waystation.events.codec import dumps
+from waystation.events.memory import InMemoryEventStore
+from waystation.runtime import Worker
+from waystation.wire import CONTENT_TYPE, HEADER_WAITS
 
 from .harness import RESULTS, World, eventually, settings, world
 

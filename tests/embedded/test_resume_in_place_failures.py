@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 
-from events import Call, Complete, Outcome, Pause
-from workers.agent import App, TaskContext
-from workers.policies import Backoff, Permanent
+from waystation.agent import App, TaskContext
+from waystation.events import Call, Complete, Outcome, Pause
+from waystation.policies import Backoff, Permanent
 
 from .harness import settings, world
 

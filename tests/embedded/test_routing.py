@@ -1,13 +1,13 @@
-"""Reply routing on the in-memory backends (``workers.routing``): a parent's replies come back to
+"""Reply routing on the in-memory backends (``waystation.routing``): a parent's replies come back to
 the worker that paused it, and to another worker when that one is gone."""
 
 from __future__ import annotations
 
 import pytest
 
-from events import Call, Complete, OutboxMessage, Outcome, Pause
-from events.codec import dumps
-from workers.agent import App, TaskContext
+from waystation.agent import App, TaskContext
+from waystation.events import Call, Complete, OutboxMessage, Outcome, Pause
+from waystation.events.codec import dumps
 
 from .harness import World, eventually, world
 

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workers.client import Client
-from workers.settings import Settings
-from workers.wire import HEADER_REASON, Names
+from waystation.client import Client
+from waystation.settings import Settings
+from waystation.wire import HEADER_REASON, Names
 
 from ..harness.broker import delete_topology, queue_depth, run_rabbitmqctl, wait_for_consumers
 from ..harness.processes import WorkerProcess

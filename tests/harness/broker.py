@@ -21,10 +21,10 @@ from urllib.parse import quote, unquote, urlparse
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractQueue
 
-from workers.policies import WAIT_STEPS_MS
-from workers.settings import Settings
-from workers.topology import apply_policy
-from workers.wire import Names
+from waystation.policies import WAIT_STEPS_MS
+from waystation.settings import Settings
+from waystation.topology import apply_policy
+from waystation.wire import Names
 
 from .processes import run_tool
 
@@ -32,7 +32,7 @@ from .processes import run_tool
 
 
 DEFAULT_REPLY_SHARDS: int = Settings.model_fields["reply_shards"].default
-"""The reply shards per agent of workers with default settings (``workers.routing``)."""
+"""The reply shards per agent of workers with default settings (``waystation.routing``)."""
 
 
 def deployment_names(prefix: str) -> Names:
@@ -71,7 +71,7 @@ async def delete_topology(
         for queue in topology_queues(names, agents):
             await channel.queue_delete(queue)
         await channel.exchange_delete(names.dead_letter_exchange)
-        # the retries' wait queues a test's workers may have declared (workers.policies)
+        # the retries' wait queues a test's workers may have declared (waystation.policies)
         for step in WAIT_STEPS_MS:
             if step > 60_000:
                 break

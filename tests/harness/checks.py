@@ -23,11 +23,11 @@ from typing import Any
 
 from sqlalchemy import text
 
-from events import RecordedEvent, canonical
-from events.codec import loads
-from events.postgres import PostgresEventStore
-from projections.audit import verify_stream
-from workers.example import expected_total
+from waystation.events import RecordedEvent, canonical
+from waystation.events.codec import loads
+from waystation.events.postgres import PostgresEventStore
+from waystation.example import expected_total
+from waystation.projections.audit import verify_stream
 
 from .clients import RecordingClient
 

@@ -1,6 +1,6 @@
 """Publishers that keep every result message they receive, for checks that must see them all.
 
-:class:`RecordingClient` is a :class:`~workers.client.Client` that also keeps each result
+:class:`RecordingClient` is a :class:`~waystation.client.Client` that also keeps each result
 message (duplicates included) and whether the broker delivered it again.
 :class:`DurableResultCollector` does the same through a durable reply queue, so that results
 published while its connection is down wait for it (outage and chaos runs).
@@ -14,9 +14,9 @@ from typing import Any
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 
-from events import canonical
-from events.codec import loads
-from workers.client import Client
+from waystation.client import Client
+from waystation.events import canonical
+from waystation.events.codec import loads
 
 from .broker import declare_quorum_queue
 

@@ -1,9 +1,9 @@
 """Processes of a run: worker subprocesses, the ``waystation`` command, and what they leave.
 
 :class:`WorkerProcess` is one subprocess with an environment and a log file: a worker of an app
-(``python -m workers.cli worker --app APP``), another ``waystation`` command (``["projections",
+(``python -m waystation.cli worker --app APP``), another ``waystation`` command (``["projections",
 "run"]``), or ``python -m MODULE ...`` of another module (the benchmark's Celery workers). Its
-environment is whole: build a worker's from a :class:`~workers.settings.Settings` with
+environment is whole: build a worker's from a :class:`~waystation.settings.Settings` with
 :func:`worker_environment`, or write the ``WAYSTATION_*`` variables out as the scripts do.
 Also: :func:`stop_all`, :func:`free_port`, :func:`run_tool` (a command whose failure is an
 error), :func:`waystation_cli`, the ends of logs and the problems in them, and the counters a
@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from events.codec import loads
-from workers.settings import Settings
+from waystation.events.codec import loads
+from waystation.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository: the working directory of every process, and first on its PYTHONPATH."""
@@ -62,8 +62,8 @@ class WorkerProcess:
     """``python -m MODULE COMMAND...`` with ``env`` added to this process's environment, its
     output (stdout and stderr) appended to ``log_path``; named after that file.
 
-    By default the worker of the example app (``workers.cli worker --app
-    workers.example:app``); ``command`` gives another ``waystation`` command, ``module``
+    By default the worker of the example app (``waystation.cli worker --app
+    waystation.example:app``); ``command`` gives another ``waystation`` command, ``module``
     another module (``celery``), ``cwd`` another working directory.
     """
 
@@ -72,9 +72,9 @@ class WorkerProcess:
         env: Mapping[str, str],
         log_path: Path,
         *,
-        app: str = "workers.example:app",
+        app: str = "waystation.example:app",
         command: Sequence[str] | None = None,
-        module: str = "workers.cli",
+        module: str = "waystation.cli",
         cwd: Path = ROOT,
     ) -> None:
         self.env = dict(env)
@@ -92,7 +92,7 @@ class WorkerProcess:
         log_path: Path,
         *,
         env: Mapping[str, str] | None = None,
-        app: str = "workers.example:app",
+        app: str = "waystation.example:app",
         command: Sequence[str] | None = None,
     ) -> WorkerProcess:
         """A worker (or ``command``) configured as ``settings``, ``env`` on top."""
@@ -232,9 +232,9 @@ async def waystation_cli(
     arguments: Sequence[str], env: Mapping[str, str], timeout: float = 60
 ) -> tuple[int | None, str]:
     """Run the ``waystation`` command installed beside this Python (else ``python -m
-    workers.cli``) with ``env`` (WAYSTATION_* settings) added: (exit code, stdout and stderr)."""
+    waystation.cli``) with ``env`` (WAYSTATION_* settings) added: (exit code, stdout and stderr)."""
     installed = Path(sys.executable).with_name("waystation")
-    command = [str(installed)] if installed.exists() else [sys.executable, "-m", "workers.cli"]
+    command = [str(installed)] if installed.exists() else [sys.executable, "-m", "waystation.cli"]
     process = await asyncio.create_subprocess_exec(
         *command,
         *arguments,

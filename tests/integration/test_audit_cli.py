@@ -14,11 +14,11 @@ import pytest
 import pytest_asyncio
 from sqlalchemy import text
 
-import migrations
-from events.postgres import PostgresEventStore
-from workers.client import Client
-from workers.example import app, expected_total
-from workers.settings import Settings
+from waystation import migrations
+from waystation.client import Client
+from waystation.events.postgres import PostgresEventStore
+from waystation.example import app, expected_total
+from waystation.settings import Settings
 
 from ..harness.database import fresh_database_url
 from ..support import Services, running_worker

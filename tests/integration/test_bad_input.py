@@ -20,15 +20,15 @@ from typing import Any
 import pytest
 from aio_pika.abc import AbstractChannel
 
-from events import Call, Complete, Outcome, Pause
-from events.codec import dumps, loads
-from events.postgres import PostgresEventStore
-from workers.agent import App, TaskContext
-from workers.example import app as example_app
-from workers.example import expected_total
-from workers.runtime import Worker
-from workers.settings import Settings
-from workers.wire import Names
+from waystation.agent import App, TaskContext
+from waystation.events import Call, Complete, Outcome, Pause
+from waystation.events.codec import dumps, loads
+from waystation.events.postgres import PostgresEventStore
+from waystation.example import app as example_app
+from waystation.example import expected_total
+from waystation.runtime import Worker
+from waystation.settings import Settings
+from waystation.wire import Names
 
 from ..harness.broker import declare_quorum_queue
 from ..harness.checks import chain_problems

@@ -22,9 +22,9 @@ import pytest
 import pytest_asyncio
 from aio_pika.abc import AbstractChannel, AbstractQueue
 
-from events.codec import dumps, loads
-from events.postgres import PostgresEventStore
-from workers.settings import Settings
+from waystation.events.codec import dumps, loads
+from waystation.events.postgres import PostgresEventStore
+from waystation.settings import Settings
 
 from ..embedded.test_broker_says_no import app_of
 from ..harness.broker import (
@@ -166,7 +166,7 @@ async def letter_reasons(channel: AbstractChannel, settings: Settings) -> set[st
 
 
 def _names(settings: Settings) -> object:
-    from workers.wire import Names
+    from waystation.wire import Names
 
     return Names(settings.queue_prefix)
 

@@ -21,7 +21,7 @@ import aio_pika
 import pytest
 from aio_pika.abc import AbstractIncomingMessage
 
-from events.codec import dumps
+from waystation.events.codec import dumps
 
 from ..harness.broker import declare_quorum_queue
 from ..harness.processes import ROOT

@@ -13,9 +13,9 @@ import click
 import orjson
 import pytest
 
-import migrations
-from workers.example import expected_total
-from workers.settings import Settings
+from waystation import migrations
+from waystation.example import expected_total
+from waystation.settings import Settings
 
 from ..harness.broker import wait_for_consumers
 from ..harness.database import fresh_database_url
@@ -72,7 +72,7 @@ def test_help_names_every_command(settings: Settings) -> None:
 def test_every_command_explains_itself_and_each_of_its_options(
     settings: Settings, command: tuple[str, ...]
 ) -> None:
-    from workers.cli import main
+    from waystation.cli import main
 
     shown = run_cli(settings, *command, "--help")
     assert shown.returncode == 0, shown.stderr
@@ -145,7 +145,7 @@ async def test_dead_letters_can_be_listed_then_replayed_after_the_cause_is_fixed
     settings: Settings, store: Any
 ) -> None:
     """A task over the size limit is dead-lettered; once the limit is raised, a replay runs it."""
-    from workers.example import app
+    from waystation.example import app
 
     from ..harness.clients import RecordingClient
     from ..support import eventually, running_worker

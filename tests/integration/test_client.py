@@ -15,8 +15,8 @@ import pytest
 import pytest_asyncio
 from aio_pika.abc import AbstractChannel
 
-from events.codec import dumps
-from workers.client import Client
+from waystation.client import Client
+from waystation.events.codec import dumps
 
 from ..support import Services, eventually
 

@@ -29,8 +29,8 @@ import pytest_asyncio
 import yaml
 from aiohttp import web
 
-import migrations
-from workers.wire import Names
+from waystation import migrations
+from waystation.wire import Names
 
 from ..conftest import EXAMPLE_AGENTS
 from ..documents import README, ROOT, code_blocks
@@ -110,8 +110,10 @@ async def healthy(service: str, port: int) -> None:
     compose_port = COMPOSE["x-waystation-env"]["WAYSTATION_METRICS_PORT"]
     command = [sys.executable, *(w.replace(f":{compose_port}/", f":{port}/") for w in test[2:])]
     seconds = lambda text: float(text.removesuffix("s"))  # noqa: E731
-    deadline = time.monotonic() + seconds(check["start_period"]) + check["retries"] * seconds(
-        check["interval"]
+    deadline = (
+        time.monotonic()
+        + seconds(check["start_period"])
+        + check["retries"] * seconds(check["interval"])
     )
     while True:
         process = await asyncio.create_subprocess_exec(

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from events.postgres import PostgresEventStore
-from workers.example import expected_total
-from workers.settings import Settings
-from workers.wire import Names
+from waystation.events.postgres import PostgresEventStore
+from waystation.example import expected_total
+from waystation.settings import Settings
+from waystation.wire import Names
 
 from ..harness.broker import wait_for_consumers
 from ..harness.checks import (

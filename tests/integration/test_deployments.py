@@ -13,11 +13,11 @@ import pytest
 from aio_pika.abc import AbstractChannel
 from sqlalchemy import text
 
-import migrations
-from events import GENESIS_HASH, NewEvent, OutboxMessage
-from events.postgres import PostgresEventStore
-from workers.example import app as example_app
-from workers.settings import Settings
+from waystation import migrations
+from waystation.events import GENESIS_HASH, NewEvent, OutboxMessage
+from waystation.events.postgres import PostgresEventStore
+from waystation.example import app as example_app
+from waystation.settings import Settings
 
 from ..conftest import EXAMPLE_AGENTS
 from ..harness.broker import declare_quorum_queue, delete_topology, fresh_prefix

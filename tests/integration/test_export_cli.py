@@ -12,12 +12,12 @@ from typing import Any
 
 import orjson
 
-from events import canonical
-from events.postgres import PostgresEventStore
-from projections.export import to_line
-from workers.client import Client
-from workers.example import app, expected_total
-from workers.settings import Settings
+from waystation.client import Client
+from waystation.events import canonical
+from waystation.events.postgres import PostgresEventStore
+from waystation.example import app, expected_total
+from waystation.projections.export import to_line
+from waystation.settings import Settings
 
 from ..support import running_worker
 from .test_audit_cli import cli

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractQueue
 
-from events import Call, Complete, Outcome, Pause
-from events.codec import loads
-from events.postgres import PostgresEventStore
-from workers.agent import App, TaskContext
-from workers.settings import Settings
-from workers.wire import Names
+from waystation.agent import App, TaskContext
+from waystation.events import Call, Complete, Outcome, Pause
+from waystation.events.codec import loads
+from waystation.events.postgres import PostgresEventStore
+from waystation.settings import Settings
+from waystation.wire import Names
 
 from ..harness.broker import declare_quorum_queue
 from ..harness.checks import chain_problems

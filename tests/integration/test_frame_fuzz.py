@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-import migrations
-from workers.settings import Settings
+from waystation import migrations
+from waystation.settings import Settings
 
 from ..fuzz.campaign import AGENT, Campaign, Outcome, report_failures, summary
 from ..fuzz.messages import FIXED, drafts

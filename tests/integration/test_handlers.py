@@ -20,12 +20,12 @@ import pytest
 from aio_pika.abc import AbstractChannel
 from pydantic import BaseModel, Field
 
-from events import Call, Complete, Outcome, Pause
-from events.codec import loads
-from events.postgres import PostgresEventStore
-from workers.agent import App, TaskContext
-from workers.settings import Settings
-from workers.wire import Names
+from waystation.agent import App, TaskContext
+from waystation.events import Call, Complete, Outcome, Pause
+from waystation.events.codec import loads
+from waystation.events.postgres import PostgresEventStore
+from waystation.settings import Settings
+from waystation.wire import Names
 
 from ..harness.broker import wait_for_consumers
 from ..harness.clients import RecordingClient
@@ -323,7 +323,7 @@ async def test_a_call_with_an_invalid_input_resumes_its_caller_with_an_invalid_i
 MODULE = """
 from pydantic import BaseModel, Field
 
-from workers import App, Complete, TaskContext
+from waystation import App, Complete, TaskContext
 
 
 class Question(BaseModel):

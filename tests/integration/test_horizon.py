@@ -24,11 +24,11 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-import migrations
-from events import GENESIS_HASH, NewEvent, Position, RecordedEvent
-from events.codec import loads
-from events.postgres import PostgresEventStore
-from workers.settings import Settings
+from waystation import migrations
+from waystation.events import GENESIS_HASH, NewEvent, Position, RecordedEvent
+from waystation.events.codec import loads
+from waystation.events.postgres import PostgresEventStore
+from waystation.settings import Settings
 
 from ..harness.database import PostgresCluster, fresh_database_url
 from ..harness.processes import WorkerProcess, free_port, metrics_env

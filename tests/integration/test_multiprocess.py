@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from events.postgres import PostgresEventStore
-from workers.settings import Settings
-from workers.wire import Names
+from waystation.events.postgres import PostgresEventStore
+from waystation.settings import Settings
+from waystation.wire import Names
 
 from ..harness.broker import close_broker_connections, wait_for_consumers
 from ..harness.checks import fanout_problems, record_outbox_claims, result_messages

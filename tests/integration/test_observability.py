@@ -14,11 +14,11 @@ import pytest
 from aio_pika import Message
 from prometheus_client.parser import text_string_to_metric_families
 
-from events.postgres import PostgresEventStore
-from workers.client import Client
-from workers.example import expected_total
-from workers.settings import Settings
-from workers.wire import Names
+from waystation.client import Client
+from waystation.events.postgres import PostgresEventStore
+from waystation.example import expected_total
+from waystation.settings import Settings
+from waystation.wire import Names
 
 from ..harness.processes import WorkerProcess, free_port, metrics_env, stats_env, worker_counters
 from ..support import eventually, start_example_workers

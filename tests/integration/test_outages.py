@@ -22,8 +22,8 @@ chain that verifies. The delivery-limit policy is applied as in production, so a
 a loop would end in the dead-letter queue, which must stay empty.
 
 Results are collected through a durable reply queue of the test's own
-(``DurableResultCollector``): ``workers.client.Client``'s exclusive reply queue is deleted with its
-connection, and results published before it reconnects are lost (see that class).
+(``DurableResultCollector``): ``waystation.client.Client``'s exclusive reply queue is deleted with
+its connection, and results published before it reconnects are lost (see that class).
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from pathlib import Path
 
 import pytest
 
-import migrations
-from events.postgres import PostgresEventStore
-from workers.settings import Settings
-from workers.topology import clear_policy
-from workers.wire import Names
+from waystation import migrations
+from waystation.events.postgres import PostgresEventStore
+from waystation.settings import Settings
+from waystation.topology import clear_policy
+from waystation.wire import Names
 
 from ..harness.broker import (
     apply_queue_policy,

@@ -1,4 +1,4 @@
-"""A real PenguiFlow flow saves its events through ``workers.penguiflow``; PenguiFlow's own admin
+"""A real PenguiFlow flow saves its events through ``waystation.penguiflow``; PenguiFlow's own admin
 CLI (``penguiflow-admin history`` and ``replay``) then reads them back from PostgreSQL in
 another process, loading the adapter by its factory as a user would, and ``waystation verify``
 checks the streams it wrote."""
@@ -22,7 +22,7 @@ require(penguiflow_capability(), "the penguiflow-admin tests")
 
 from penguiflow import Headers, Message, Node, NodePolicy, create  # noqa: E402
 
-from workers.penguiflow import create_store  # noqa: E402
+from waystation.penguiflow import create_store  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -58,7 +58,12 @@ async def run_flow(database_url: str, trace_id: str) -> Any:
 def admin(database_url: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "WAYSTATION_DATABASE_URL": database_url}
     return subprocess.run(
-        [str(BIN / "penguiflow-admin"), *args, "--state-store", "workers.penguiflow:create_store"],
+        [
+            str(BIN / "penguiflow-admin"),
+            *args,
+            "--state-store",
+            "waystation.penguiflow:create_store",
+        ],
         env=env,
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""Per-agent policies (``workers.policies``) on 3 worker processes and the real services: retries
+"""Per-agent policies (``waystation.policies``) on 3 worker processes and the real services: retries
 spaced by their backoff (waiting in the broker, whichever worker takes the retry), a run past its
 time limit cancelled and counted as a failed attempt, ``Permanent`` failing at once; and
 ``waystation agents`` as a subprocess, with a policy that cannot work refused at start.
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from aio_pika.abc import AbstractChannel
 
-from events.postgres import PostgresEventStore
-from workers.settings import Settings
-from workers.wire import Names
+from waystation.events.postgres import PostgresEventStore
+from waystation.settings import Settings
+from waystation.wire import Names
 
 from ..harness.clients import RecordingClient
 from ..harness.processes import ROOT, WorkerProcess, app_workers, worker_environment, worker_logs
@@ -116,7 +116,7 @@ async def test_permanent_fails_at_once_without_a_retry(
 
 def waystation(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "workers.cli", *args],
+        [sys.executable, "-m", "waystation.cli", *args],
         env={**worker_environment(settings), "PYTHONPATH": str(ROOT)},
         cwd=ROOT,
         capture_output=True,

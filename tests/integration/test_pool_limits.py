@@ -1,4 +1,4 @@
-"""Pool limits (``workers.limits``) on 3 worker processes and the real services: ``concurrency``
+"""Pool limits (``waystation.limits``) on 3 worker processes and the real services: ``concurrency``
 counted across the pool (start and end times of every run prove it), a killed holder's slot
 coming back within the lease time, ``rate`` never exceeded in any window, waiting that burns no
 attempt; and both shown by ``waystation agents`` and checked at start.
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from events.postgres import PostgresEventStore
-from workers.settings import Settings
-from workers.wire import Names
+from waystation.events.postgres import PostgresEventStore
+from waystation.settings import Settings
+from waystation.wire import Names
 
 from ..harness.clients import RecordingClient
 from ..harness.processes import WorkerProcess, app_workers, log_lines, worker_logs

@@ -1,7 +1,7 @@
 """The projection runner against real PostgreSQL: exact under concurrent writers, rebuildable,
 woken by NOTIFY, reporting its lag (G8).
 
-The log is written by :func:`events.simulation.simulate`: tasks driven through random
+The log is written by :func:`waystation.events.simulation.simulate`: tasks driven through random
 lifecycles by the task's decide functions and appended by 8 concurrent writers, the way workers
 append. The expected rows are computed here from the streams themselves, independently of the
 projections' code, and a rebuild from position zero must agree with the live tables.
@@ -23,8 +23,8 @@ import pytest_asyncio
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-import migrations
-from events import (
+from waystation import migrations
+from waystation.events import (
     RecordedEvent,
     ResultRecorded,
     TaskCancelled,
@@ -36,11 +36,11 @@ from events import (
     fold,
     parse,
 )
-from events.codec import loads
-from events.postgres import PostgresEventStore
-from events.simulation import simulate
-from projections.model import UNKNOWN_AGENT, AgentCounts
-from projections.postgres import (
+from waystation.events.codec import loads
+from waystation.events.postgres import PostgresEventStore
+from waystation.events.simulation import simulate
+from waystation.projections.model import UNKNOWN_AGENT, AgentCounts
+from waystation.projections.postgres import (
     PROJECTIONS,
     ProjectionRunner,
     agent_stats,
@@ -49,7 +49,7 @@ from projections.postgres import (
     projection_status,
     rebuild,
 )
-from workers.settings import Settings
+from waystation.settings import Settings
 
 from ..harness.database import PostgresCluster, fresh_database_url
 from ..harness.processes import WorkerProcess, log_lines, worker_logs

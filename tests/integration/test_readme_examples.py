@@ -17,8 +17,8 @@ import orjson
 import pytest
 import pytest_asyncio
 
-from workers.settings import Settings
-from workers.wire import Names
+from waystation.settings import Settings
+from waystation.wire import Names
 
 from ..documents import README, ROOT, block_after, code_blocks
 from ..harness.broker import wait_for_consumers
@@ -103,8 +103,15 @@ def _node_capability() -> Capability:
         return Capability("Node.js and npm", "node or npm is not installed")
     if not (NODE_MODULES / "node_modules" / "amqplib").exists():
         done = subprocess.run(
-            ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(NODE_MODULES),
-             f"amqplib@{AMQPLIB}"],
+            [
+                "npm",
+                "install",
+                "--no-audit",
+                "--no-fund",
+                "--prefix",
+                str(NODE_MODULES),
+                f"amqplib@{AMQPLIB}",
+            ],
             capture_output=True,
             text=True,
             timeout=300,
@@ -136,7 +143,7 @@ def test_the_policies_example_declares_what_its_comments_say(tmp_path: Path) -> 
     policies, _ = block_after(TEXT, "# policies.py")
     (tmp_path / "policies.py").write_text(policies.code)
     listed = subprocess.run(
-        [sys.executable, "-m", "workers.cli", "agents", "--app", "policies:app", "--json"],
+        [sys.executable, "-m", "waystation.cli", "agents", "--app", "policies:app", "--json"],
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,

@@ -10,10 +10,10 @@ import uuid
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractQueue
 
-from events import NewEvent
-from events.postgres import PostgresEventStore
-from workers.metrics import Metrics
-from workers.settings import Settings
+from waystation.events import NewEvent
+from waystation.events.postgres import PostgresEventStore
+from waystation.metrics import Metrics
+from waystation.settings import Settings
 
 from ..harness.clients import RecordingClient
 from ..support import eventually, publish_reply, running_worker, take

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from events.postgres import PostgresEventStore
-from workers.client import Client
-from workers.example import app, expected_total
-from workers.settings import Settings
+from waystation.client import Client
+from waystation.events.postgres import PostgresEventStore
+from waystation.example import app, expected_total
+from waystation.settings import Settings
 
 from ..support import published_everything, running_worker
 

@@ -24,8 +24,14 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from events import GENESIS_HASH, IntegrityError, NewEvent, StoreUnavailable, VersionConflict
-from events.postgres import PostgresEventStore, _translate
+from waystation.events import (
+    GENESIS_HASH,
+    IntegrityError,
+    NewEvent,
+    StoreUnavailable,
+    VersionConflict,
+)
+from waystation.events.postgres import PostgresEventStore, _translate
 
 from ..harness.database import PostgresCluster
 from ..support import eventually, serving_cluster
@@ -49,7 +55,8 @@ def probe(n: int, **data: Any) -> NewEvent:
 
 
 def store_engine(url: str, **server_settings: str) -> AsyncEngine:
-    """An engine like the store's own (``events.postgres.create_engine``) with session settings."""
+    """An engine like the store's own (``waystation.events.postgres.create_engine``) with session
+    settings."""
     return create_async_engine(
         url,
         isolation_level="AUTOCOMMIT",

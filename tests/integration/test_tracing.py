@@ -19,9 +19,9 @@ from typing import Any
 import aio_pika
 import pytest
 
-from workers.settings import Settings
-from workers.tracing import TEST_SPANS_FILE, trace_hex
-from workers.wire import CONTENT_TYPE, HEADER_TRACEPARENT, TYPE_TASK, Names
+from waystation.settings import Settings
+from waystation.tracing import TEST_SPANS_FILE, trace_hex
+from waystation.wire import CONTENT_TYPE, HEADER_TRACEPARENT, TYPE_TASK, Names
 
 from ..harness.clients import RecordingClient
 from ..harness.processes import WorkerProcess, stop_all, worker_logs

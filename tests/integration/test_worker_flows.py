@@ -17,14 +17,14 @@ import aio_pika
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
-from events import Call, Complete, Outcome, Pause, apply_delta, canonical, parse
-from events.codec import dumps, loads
-from events.postgres import PostgresEventStore
-from workers.agent import App, TaskContext
-from workers.example import app as example_app
-from workers.example import expected_total
-from workers.settings import Settings
-from workers.wire import HEADER_ROOT, Names
+from waystation.agent import App, TaskContext
+from waystation.events import Call, Complete, Outcome, Pause, apply_delta, canonical, parse
+from waystation.events.codec import dumps, loads
+from waystation.events.postgres import PostgresEventStore
+from waystation.example import app as example_app
+from waystation.example import expected_total
+from waystation.settings import Settings
+from waystation.wire import HEADER_ROOT, Names
 
 from ..harness.broker import declare_quorum_queue
 from ..harness.checks import (
@@ -328,7 +328,7 @@ async def test_a_foreign_peer_and_a_plain_publisher_speak_the_wire_format(
         assert request.message_id == request.correlation_id and pause == "1"
         assert request.type == "task" and request.content_type == "application/json"
         assert request.delivery_mode == aio_pika.DeliveryMode.PERSISTENT
-        # the reply shard of the worker that paused the task (workers.routing)
+        # the reply shard of the worker that paused the task (waystation.routing)
         assert (
             request.reply_to in Names(names.prefix, settings.reply_shards).reply_queues("boss")[1:]
         )
@@ -440,7 +440,7 @@ async def test_a_parents_replies_come_back_to_the_worker_that_paused_it(
     amqp_channel: AbstractChannel,
     extra_agents: list[str],
 ) -> None:
-    """Reply routing (workers.routing) on the real broker and slot table: the two workers claim
+    """Reply routing (waystation.routing) on the real broker and slot table: the two workers claim
     different home shards, and each task's replies are recorded where it paused."""
     extra_agents.extend(["boss", "ghost"])
     k = 3

@@ -22,7 +22,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from events import (
+from waystation.broker import Broker, BrokerUnavailable, Delivery, DeliveryHandler
+from waystation.brokers.memory import InMemoryConnection
+from waystation.events import (
     AppendResult,
     EventStore,
     ExpiredCall,
@@ -32,10 +34,8 @@ from events import (
     RecordedEvent,
     StoreUnavailable,
 )
-from events.store import Position
-from workers.broker import Broker, BrokerUnavailable, Delivery, DeliveryHandler
-from workers.brokers.memory import InMemoryConnection
-from workers.wire import Names
+from waystation.events.store import Position
+from waystation.wire import Names
 
 __all__ = [
     "ACTOR",

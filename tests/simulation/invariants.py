@@ -28,13 +28,13 @@ from collections import Counter, defaultdict
 from datetime import UTC, datetime
 from typing import Any
 
-from events import RecordedEvent, canonical, fold
-from events.codec import loads
-from projections.audit import verify_stream
-from projections.model import FeedEvent, PausedTask, fold_paused_tasks
-from workers.outbox import REFUSED_BACKOFF
-from workers.sweeper import SWEEP_LEASE
-from workers.wire import HEADER_ATTEMPTS
+from waystation.events import RecordedEvent, canonical, fold
+from waystation.events.codec import loads
+from waystation.outbox import REFUSED_BACKOFF
+from waystation.projections.audit import verify_stream
+from waystation.projections.model import FeedEvent, PausedTask, fold_paused_tasks
+from waystation.sweeper import SWEEP_LEASE
+from waystation.wire import HEADER_ATTEMPTS
 
 from . import reality, refusals
 from .loop import EPOCH
@@ -55,7 +55,8 @@ def _moment(event: RecordedEvent) -> datetime:
 
 
 def _feed(event: RecordedEvent, history: list[RecordedEvent]) -> FeedEvent:
-    """The event as the projections' feed gives it (the SQL of ``projections.postgres``)."""
+    """The event as the projections' feed gives it (the SQL of
+    ``waystation.projections.postgres``)."""
     data = event.data
     started = history[0] if history and history[0].event_type == "TaskStarted" else None
     kind = event.event_type

@@ -18,18 +18,20 @@ import logging
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
-import events.task
-import workers.broker
-import workers.flows
-import workers.flows.base
-import workers.flows.cancel
-import workers.flows.reply
-import workers.outbox
-import workers.recorder
-import workers.runtime
-import workers.settle
-import workers.sweeper
-from events import (
+import waystation.broker
+import waystation.events.task
+import waystation.flows
+import waystation.flows.base
+import waystation.flows.cancel
+import waystation.flows.reply
+import waystation.outbox
+import waystation.recorder
+import waystation.runtime
+import waystation.settle
+import waystation.sweeper
+from waystation.agent import AgentSpec
+from waystation.broker import Delivery
+from waystation.events import (
     CancelledCall,
     DomainEvent,
     ExpiredCall,
@@ -48,16 +50,14 @@ from events import (
     fold,
     parse_subtask_id,
 )
-from events.chain import recorded_events
-from workers.agent import AgentSpec
-from workers.broker import Delivery
-from workers.flows.base import Flows, error_of, resume_context
-from workers.flows.reply import handle_reply
-from workers.flows.resume import handle_resume
-from workers.intake import Rejection
-from workers.recorder import Cause
-from workers.settle import Settled, ack, dead, requeue
-from workers.wire import TYPE_CANCEL, TYPE_TASK, implied_messages
+from waystation.events.chain import recorded_events
+from waystation.flows.base import Flows, error_of, resume_context
+from waystation.flows.reply import handle_reply
+from waystation.flows.resume import handle_resume
+from waystation.intake import Rejection
+from waystation.recorder import Cause
+from waystation.settle import Settled, ack, dead, requeue
+from waystation.wire import TYPE_CANCEL, TYPE_TASK, implied_messages
 
 __all__ = ["MUTATIONS", "mutated"]
 
@@ -74,7 +74,7 @@ def _old_retry(failed_runs: int) -> Settled:
     return requeue()
 
 
-async def _answer_by_plain_publish(self: workers.settle.Settler, message: OutboxMessage) -> None:
+async def _answer_by_plain_publish(self: waystation.settle.Settler, message: OutboxMessage) -> None:
     await self.broker.publish(message)
 
 
@@ -83,19 +83,19 @@ async def _tell_nobody(*_: Any) -> None:
 
 
 async def _no_retry_through_outages(
-    self: workers.recorder.Recorder, operation: Callable[[], Awaitable[Any]]
+    self: waystation.recorder.Recorder, operation: Callable[[], Awaitable[Any]]
 ) -> Any:
     return await operation()
 
 
-async def _sequential_sweep(self: workers.sweeper.DeadlineSweeper) -> None:
+async def _sequential_sweep(self: waystation.sweeper.DeadlineSweeper) -> None:
     """The sweeper before defect k was fixed: one timeout after the other, each waiting for
     its stream's lock."""
     while True:
         try:
             expired = await self.store.claim_expired_calls(
-                limit=workers.sweeper.SWEEP_BATCH,
-                lease=workers.sweeper.SWEEP_LEASE,
+                limit=waystation.sweeper.SWEEP_BATCH,
+                lease=waystation.sweeper.SWEEP_LEASE,
                 deployment=self.deployment,
             )
             for call in expired:
@@ -108,7 +108,7 @@ async def _sequential_sweep(self: workers.sweeper.DeadlineSweeper) -> None:
 
 
 async def _timeout_on_the_workers_clock(
-    self: workers.sweeper.DeadlineSweeper, call: ExpiredCall
+    self: waystation.sweeper.DeadlineSweeper, call: ExpiredCall
 ) -> None:
     """Before defect k was fixed: the timeout decided on the sweeping worker's own clock."""
     await self.recorder.append_decision(
@@ -224,11 +224,11 @@ def _is_request(message: OutboxMessage) -> bool:
     )
 
 
-_commit_parts = workers.recorder.Recorder._commit_parts
+_commit_parts = waystation.recorder.Recorder._commit_parts
 
 
 async def _requests_before_the_pause(
-    self: workers.recorder.Recorder,
+    self: waystation.recorder.Recorder,
     parts: Sequence[Any],
     *,
     step: str,
@@ -248,7 +248,7 @@ async def _requests_before_the_pause(
     return await _commit_parts(self, parts, step=step, history=history)
 
 
-async def _answer_without_waiting(self: workers.settle.Settler, message: OutboxMessage) -> None:
+async def _answer_without_waiting(self: waystation.settle.Settler, message: OutboxMessage) -> None:
     """An answer published without waiting for it: the delivery is acked first, and a crash in
     between loses the answer of a task that wrote nothing (G10)."""
 
@@ -264,7 +264,7 @@ async def _answer_without_waiting(self: workers.settle.Settler, message: OutboxM
 _background: set[asyncio.Task[None]] = set()
 
 
-async def _relay_keeping_its_unsent(self: workers.outbox.OutboxPublisher) -> None:
+async def _relay_keeping_its_unsent(self: waystation.outbox.OutboxPublisher) -> None:
     """Issue 28 a: the relay before each row had a fate of its own. A row whose publish failed
     for any reason but "unroutable" stayed in the relay's unsent list, which it retried alone,
     never claiming another row, for as long as the broker said no."""
@@ -272,8 +272,8 @@ async def _relay_keeping_its_unsent(self: workers.outbox.OutboxPublisher) -> Non
     while True:
         try:
             entries = unsent or await self.store.claim_outbox(
-                limit=workers.outbox.RELAY_BATCH,
-                lease=workers.outbox.RELAY_LEASE,
+                limit=waystation.outbox.RELAY_BATCH,
+                lease=waystation.outbox.RELAY_LEASE,
                 deployment=self.deployment,
             )
             unsent = []
@@ -282,11 +282,11 @@ async def _relay_keeping_its_unsent(self: workers.outbox.OutboxPublisher) -> Non
                 for entry, error in zip(entries, errors, strict=True):
                     if error is None:
                         self._forget(entry.id)
-                    elif isinstance(error, workers.broker.Unroutable):
+                    elif isinstance(error, waystation.broker.Unroutable):
                         await self._undeliverable(entry, error)
                     else:
                         unsent.append(entry)
-                if len(entries) == workers.outbox.RELAY_BATCH and not unsent:
+                if len(entries) == waystation.outbox.RELAY_BATCH and not unsent:
                     continue
         except asyncio.CancelledError:
             raise
@@ -302,12 +302,12 @@ def _headers_as_they_came(headers: Any) -> dict[str, Any]:
 
 
 async def _resume_in_place_handing_every_failure_over(
-    flows: workers.flows.base.Flows,
+    flows: waystation.flows.base.Flows,
     state: TaskState,
     events: list[DomainEvent],
     cause: Cause,
     causation_key: str,
-) -> workers.recorder.Extension | None:
+) -> waystation.recorder.Extension | None:
     """Issue 28 e: a resumed run in place, before it followed its agent's policy. Anything it
     raised but an invalid outcome was handed over to a resume message, to run again, whatever
     the policy said (a ``Permanent`` error, ``retries=0``), and without its backoff."""
@@ -336,88 +336,94 @@ async def _resume_in_place_handing_every_failure_over(
         )
     except InvalidTransition as error:
         failed = [*events, *decide_failure(resumed, error_of(error))]
-        return workers.recorder.Extension(
+        return waystation.recorder.Extension(
             failed, checkpoint_started=None, resumed_at=decided_at, made=own
         )
     except Exception:
-        return workers.recorder.Extension(
+        return waystation.recorder.Extension(
             events, checkpoint_started=None, resumed_at=None, failed_runs=1, made=own
         )
-    return workers.recorder.Extension(
+    return waystation.recorder.Extension(
         [*events, *following], checkpoint_started=None, resumed_at=decided_at, made=own
     )
 
 
 MUTATIONS: dict[str, list[Patch]] = {
     # a: an outcome the log cannot store reached the commit
-    "a-unstorable-outcome": [(events.task, "_require_storable", lambda value, what: None)],
+    "a-unstorable-outcome": [
+        (waystation.events.task, "_require_storable", lambda value, what: None)
+    ],
     # b: a cancel before a task's first run was recorded left its publisher unanswered
     "b-cancel-before-first-run": [
-        (workers.flows.base.Flows, "answer_cancelled_before_start", _tell_nobody)
+        (waystation.flows.base.Flows, "answer_cancelled_before_start", _tell_nobody)
     ],
     # e: a handler ran in place on a stale copy of its stream
-    "e-stale-cache": [(workers.recorder, "resumes", lambda events: False)],
+    "e-stale-cache": [(waystation.recorder, "resumes", lambda events: False)],
     # f: an answer to a queue that is gone failed the flow, which re-ran the handler
-    "f-unroutable-answer": [(workers.settle.Settler, "answer", _answer_by_plain_publish)],
+    "f-unroutable-answer": [(waystation.settle.Settler, "answer", _answer_by_plain_publish)],
     # i: attempts counted by the broker's x-delivery-count, retries by requeueing
     "i-broker-counting": [
-        (workers.flows.base, "retry", _old_retry),
-        (workers.flows.base, "attempt_of", _old_attempt_of),
-        (workers.settle, "attempt_of", _old_attempt_of),
+        (waystation.flows.base, "retry", _old_retry),
+        (waystation.flows.base, "attempt_of", _old_attempt_of),
+        (waystation.settle, "attempt_of", _old_attempt_of),
     ],
     # k: an outage of the log re-ran the whole flow, its handler included
     "k-outage-reruns-handler": [
-        (workers.recorder.Recorder, "_through_outages", _no_retry_through_outages)
+        (waystation.recorder.Recorder, "_through_outages", _no_retry_through_outages)
     ],
     # k: a timeout decided on the worker's clock, which may be behind the database's
     "k-worker-clock-timeouts": [
-        (workers.sweeper.DeadlineSweeper, "record_timeout", _timeout_on_the_workers_clock)
+        (waystation.sweeper.DeadlineSweeper, "record_timeout", _timeout_on_the_workers_clock)
     ],
     # k: the sweeper waited on each stream's lock in turn
-    "k-sequential-sweeper": [(workers.sweeper.DeadlineSweeper, "run", _sequential_sweep)],
+    "k-sequential-sweeper": [(waystation.sweeper.DeadlineSweeper, "run", _sequential_sweep)],
     # the world against the log ("When the broker says no", section 2):
     # G1: the reply flow acked its delivery, then appended
-    "reply-acked-before-append": [(workers.flows, "handle_reply", _ack_then_record_reply)],
+    "reply-acked-before-append": [(waystation.flows, "handle_reply", _ack_then_record_reply)],
     # a reply lost between the broker and the log (acked unrecorded), turned into a timeout
-    "reply-lost-when-stream-busy": [(workers.flows, "handle_reply", _drop_reply_when_stream_busy)],
+    "reply-lost-when-stream-busy": [
+        (waystation.flows, "handle_reply", _drop_reply_when_stream_busy)
+    ],
     # G1: the resume flow acked its message, then ran the resumed handler
-    "resume-acked-before-its-run": [(workers.flows, "handle_resume", _ack_then_resume)],
+    "resume-acked-before-its-run": [(waystation.flows, "handle_resume", _ack_then_resume)],
     # a reply to a finished task dead-lettered (unknown-task) instead of recorded as late
-    "late-replies-dead-lettered": [(workers.flows, "handle_reply", _late_replies_dead_lettered)],
+    "late-replies-dead-lettered": [(waystation.flows, "handle_reply", _late_replies_dead_lettered)],
     # a reply the log cannot store dead-lettered, its call left to time out
     "unstorable-reply-unrecorded": [
-        (workers.runtime, "handle_unstorable_reply", _unstorable_reply_only_dead_lettered)
+        (waystation.runtime, "handle_unstorable_reply", _unstorable_reply_only_dead_lettered)
     ],
     # duplicate and late replies acked without their audit record
     "ignored-replies-unrecorded": [
-        (workers.flows.reply, "decide_reply", _ignored_replies_unrecorded)
+        (waystation.flows.reply, "decide_reply", _ignored_replies_unrecorded)
     ],
     # late replies recorded as duplicates
     "late-replies-called-duplicates": [
-        (workers.flows.reply, "decide_reply", _late_replies_called_duplicates)
+        (waystation.flows.reply, "decide_reply", _late_replies_called_duplicates)
     ],
     # G5, the dual path: requests published before the pause commits, outbox rows forgotten
     "requests-before-pause-commits": [
-        (workers.recorder.Recorder, "_commit_parts", _requests_before_the_pause)
+        (waystation.recorder.Recorder, "_commit_parts", _requests_before_the_pause)
     ],
     # G7: a cancel naming the claimed calls too, or leaving one outstanding call out
     "cancel-names-claimed-calls": [
-        (workers.flows.cancel, "decide_cancel", _cancel_naming_every_call)
+        (waystation.flows.cancel, "decide_cancel", _cancel_naming_every_call)
     ],
-    "cancel-forgets-a-call": [(workers.flows.cancel, "decide_cancel", _cancel_forgetting_a_call)],
+    "cancel-forgets-a-call": [
+        (waystation.flows.cancel, "decide_cancel", _cancel_forgetting_a_call)
+    ],
     # G6: a timeout without a cancel to the peer
-    "timeout-without-cancel": [(workers.recorder, "implied_messages", _no_cancel_on_timeout)],
+    "timeout-without-cancel": [(waystation.recorder, "implied_messages", _no_cancel_on_timeout)],
     # G10 with G1: an answer published without waiting, after the ack
-    "answer-after-ack": [(workers.settle.Settler, "answer", _answer_without_waiting)],
+    "answer-after-ack": [(waystation.settle.Settler, "answer", _answer_without_waiting)],
     # issue 28 a: one refused outbox row stopped its worker's relay
     "a-relay-stalls-on-a-refusal": [
-        (workers.outbox.OutboxPublisher, "relay", _relay_keeping_its_unsent)
+        (waystation.outbox.OutboxPublisher, "relay", _relay_keeping_its_unsent)
     ],
     # issue 28 c: the copies of a delivery re-published headers the client cannot write
-    "c-copies-unsanitized": [(workers.settle, "sendable", _headers_as_they_came)],
+    "c-copies-unsanitized": [(waystation.settle, "sendable", _headers_as_they_came)],
     # issue 28 e: a resumed run in place that raised Permanent ran again by resume message
     "e-resume-in-place-ignores-the-policy": [
-        (workers.flows.reply, "_resume_in_place", _resume_in_place_handing_every_failure_over),
+        (waystation.flows.reply, "_resume_in_place", _resume_in_place_handing_every_failure_over),
     ],
 }
 

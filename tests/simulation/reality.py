@@ -43,12 +43,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from events import RecordedEvent, parse_subtask_id
-from events.codec import loads, unstorable
-from workers.broker import Delivery
-from workers.brokers.memory import StoredMessage
-from workers.settle import crash_limit
-from workers.wire import (
+from waystation.broker import Delivery
+from waystation.brokers.memory import StoredMessage
+from waystation.events import RecordedEvent, parse_subtask_id
+from waystation.events.codec import loads, unstorable
+from waystation.settle import crash_limit
+from waystation.wire import (
     HEADER_ATTEMPTS,
     HEADER_QUEUE,
     HEADER_REASON,
@@ -95,7 +95,8 @@ def problems(observed: Observed, streams: dict[str, list[RecordedEvent]]) -> lis
 @dataclass
 class _Moment:
     """A stream as it stood before one of its events: the little of its fold these checks need,
-    folded here from the raw events rather than by ``events.task`` (whose decisions they judge)."""
+    folded here from the raw events rather than by ``waystation.events.task`` (whose decisions they
+    judge)."""
 
     status: str = "new"
     calls: dict[str, str] = field(default_factory=dict)

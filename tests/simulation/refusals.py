@@ -24,9 +24,9 @@ kept as a dead letter when its publisher's queue stayed full longer than the wor
 
 from __future__ import annotations
 
-from events import RecordedEvent
-from workers.outbox import RELAY_LEASE
-from workers.wire import HEADER_REASON, TYPE_CANCEL, TYPE_RESULT, TYPE_RESUME, TYPE_TASK
+from waystation.events import RecordedEvent
+from waystation.outbox import RELAY_LEASE
+from waystation.wire import HEADER_REASON, TYPE_CANCEL, TYPE_RESULT, TYPE_RESUME, TYPE_TASK
 
 from .reality import hostile_tag
 from .world import GONE, Observed

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from events.codec import dumps
+from waystation.events.codec import dumps
 
 from .invariants import problems
 from .mutations import MUTATIONS, mutated

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from events import RecordedEvent
-from workers.brokers.memory import StoredMessage
-from workers.wire import HEADER_QUEUE, HEADER_REASON
+from waystation.brokers.memory import StoredMessage
+from waystation.events import RecordedEvent
+from waystation.wire import HEADER_QUEUE, HEADER_REASON
 
 from . import reality
 from .faults import Chronicle

@@ -10,7 +10,7 @@ import functools
 from collections import defaultdict
 from collections.abc import Callable
 
-from events import RecordedEvent
+from waystation.events import RecordedEvent
 
 from . import refusals
 from .faults import Refused

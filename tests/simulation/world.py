@@ -17,17 +17,17 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from events import Call, Complete, OutboxMessage, Outcome, Pause, Position, RecordedEvent
-from events.codec import dumps, loads
-from events.memory import InMemoryEventStore
-from workers.agent import App, TaskContext
-from workers.broker import BrokerUnavailable, Delivery
-from workers.brokers.memory import InMemoryBroker, InMemoryConnection, StoredMessage
-from workers.policies import Permanent
-from workers.runtime import Worker
-from workers.settings import Settings
-from workers.topology import policy_definition
-from workers.wire import CONTENT_TYPE, TYPE_CANCEL, TYPE_PROGRESS, TYPE_RESULT, TYPE_TASK, Names
+from waystation.agent import App, TaskContext
+from waystation.broker import BrokerUnavailable, Delivery
+from waystation.brokers.memory import InMemoryBroker, InMemoryConnection, StoredMessage
+from waystation.events import Call, Complete, OutboxMessage, Outcome, Pause, Position, RecordedEvent
+from waystation.events.codec import dumps, loads
+from waystation.events.memory import InMemoryEventStore
+from waystation.policies import Permanent
+from waystation.runtime import Worker
+from waystation.settings import Settings
+from waystation.topology import policy_definition
+from waystation.wire import CONTENT_TYPE, TYPE_CANCEL, TYPE_PROGRESS, TYPE_RESULT, TYPE_TASK, Names
 
 from .faults import ACTOR, Chronicle, FaultPlan, FaultyBroker, FaultyStore, Process, Trace
 from .hostile import hostile_message, odd_headers

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, Field, ValidationError
 
-from events import Call, Complete, InvalidTransition, Outcome, Pause
-from workers.agent import App, TaskContext
-from workers.flows.base import Flows, invalid_fields, typed_input
-from workers.logs import current_context, log_context
+from waystation.agent import App, TaskContext
+from waystation.events import Call, Complete, InvalidTransition, Outcome, Pause
+from waystation.flows.base import Flows, invalid_fields, typed_input
+from waystation.logs import current_context, log_context
 
 
 class Order(BaseModel):

@@ -1,4 +1,4 @@
-"""The faster codec of the hot path's AMQP frames (``workers.brokers.frames``) gives what pamqp
+"""The faster codec of the hot path's AMQP frames (``waystation.brokers.frames``) gives what pamqp
 gives: the same bytes for every frame it encodes, equal objects (or the same error) for every
 frame it decodes, well formed or not. The broker contract tests (tests/contract/test_broker.py)
 run it against RabbitMQ."""
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from workers.brokers import frames
+from waystation.brokers import frames
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,4 +1,4 @@
-"""Which deliveries of a task the log holds get its recorded outcome (``workers.flows.task``).
+"""Which deliveries of a task the log holds get its recorded outcome (``waystation.flows.task``).
 
 A finished task's resend is answered from the log; a redelivery or retry of the message whose
 outcome was recorded, or a repeated call of another task, is not (the log's outbox answered it).
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from events import TaskState
-from events.codec import loads
-from workers.broker import Delivery
-from workers.flows.task import _answer_from_log, recorded_outcome
-from workers.wire import HEADER_ATTEMPTS, HEADER_ROOT, HEADER_WAITS
+from waystation.broker import Delivery
+from waystation.events import TaskState
+from waystation.events.codec import loads
+from waystation.flows.task import _answer_from_log, recorded_outcome
+from waystation.wire import HEADER_ATTEMPTS, HEADER_ROOT, HEADER_WAITS
 
 FIRST = {"reply_to": "q.first", "correlation_id": "t"}
 

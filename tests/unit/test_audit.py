@@ -1,8 +1,9 @@
-"""``projections.audit``: verify_stream finds each kind of problem; timeline reads a stream.
+"""``waystation.projections.audit``: verify_stream finds each kind of problem; timeline reads a
+stream.
 
-Streams are built with the real hash chain (``events.chain.recorded_events``), so an invariant
-broken on purpose shows as exactly that problem and nothing else; structural damage (a hash, a
-link, a version) is done afterwards, as a tampering would.
+Streams are built with the real hash chain (``waystation.events.chain.recorded_events``), so an
+invariant broken on purpose shows as exactly that problem and nothing else; structural damage (a
+hash, a link, a version) is done afterwards, as a tampering would.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
-from events import (
+from waystation.events import (
     DomainEvent,
     EventMetadata,
     NewEvent,
@@ -26,10 +27,10 @@ from events import (
     TaskStarted,
     event_id,
 )
-from events.chain import recorded_events
-from events.codec import GENESIS_HASH
-from events.memory import InMemoryEventStore
-from projections.audit import Problem, pauses, read_streams, timeline, verify_stream
+from waystation.events.chain import recorded_events
+from waystation.events.codec import GENESIS_HASH
+from waystation.events.memory import InMemoryEventStore
+from waystation.projections.audit import Problem, pauses, read_streams, timeline, verify_stream
 
 TASK = "t"
 START = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pamqp.header
 import pytest
 
-from events.codec import dumps, loads
-from workers.brokers.metadata import HEADER_UNDECODABLE, guard_content_header
-from workers.deadletters import DeadLetter
+from waystation.brokers.metadata import HEADER_UNDECODABLE, guard_content_header
+from waystation.deadletters import DeadLetter
+from waystation.events.codec import dumps, loads
 
 from ..harness.checks import LogRow, log_figures, result_figures
 

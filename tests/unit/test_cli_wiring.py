@@ -1,4 +1,4 @@
-"""``workers.cli.wiring``: what every command builds the same way."""
+"""``waystation.cli.wiring``: what every command builds the same way."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-from workers.cli.wiring import run
+from waystation.cli.wiring import run
 
 
 async def _import_a_missing_module() -> None:

@@ -21,11 +21,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events import GENESIS_HASH, NewEvent, canonical, chain_hash
-from events.chain import recorded_events
-from events.codec import _fold
-from events.model import hash_body
-from events.task import _EVENT_NAMESPACE, event_id
+from waystation.events import GENESIS_HASH, NewEvent, canonical, chain_hash
+from waystation.events.chain import recorded_events
+from waystation.events.codec import _fold
+from waystation.events.model import hash_body
+from waystation.events.task import _EVENT_NAMESPACE, event_id
 
 text = st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=8)
 finite_floats = st.floats(allow_nan=False, allow_infinity=False)

@@ -13,9 +13,9 @@ import jsonschema
 import yaml
 from yarl import URL
 
-from workers.cli import main
-from workers.settings import Settings
-from workers.topology import management_url_of
+from waystation.cli import main
+from waystation.settings import Settings
+from waystation.topology import management_url_of
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose"
@@ -80,7 +80,7 @@ def test_the_connection_budget_adds_up_at_the_documented_scale() -> None:
     """Workers × their pool, the projection runners' connections and the one-off ones stay below
     PostgreSQL's max_connections (less the 3 reserved for superusers) at the largest scale the
     docs give."""
-    from projections.postgres import PROJECTIONS
+    from waystation.projections.postgres import PROJECTIONS
 
     compose = _compose()
     budget = compose["x-waystation-budget"]
@@ -148,7 +148,7 @@ def test_prometheus_scrapes_every_worker_and_projection_runner() -> None:
 
 
 def test_the_alert_rules_watch_what_the_workers_export() -> None:
-    from workers.metrics import Metrics
+    from waystation.metrics import Metrics
 
     exported = {
         family.name + ("_total" if family.type == "counter" else "")
@@ -189,17 +189,20 @@ def test_the_dockerfile_copies_every_package_it_installs() -> None:
 
 
 def test_the_image_installs_every_package_of_the_source_tree() -> None:
-    """``pip install .`` installs only the packages pyproject lists, subpackages included."""
+    """``pip install .`` installs only the packages pyproject lists, subpackages included: every
+    package folder of the source tree, under the installed name ``package-dir`` gives it."""
     root = COMPOSE.parent
-    listed = set(
-        tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    )
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    folders = {folder: name for name, folder in setuptools["package-dir"].items()}
+    assert set(folders) == {"events", "workers", "projections", "migrations"}
     found = {
-        ".".join(init.parent.relative_to(root).parts)
-        for top in ("events", "workers", "projections", "migrations")
+        ".".join((folders[top], *init.parent.relative_to(root / top).parts))
+        for top in folders
         for init in (root / top).rglob("__init__.py")
     }
     assert found - listed == set(), "packages missing from [tool.setuptools] packages"
+    assert listed - found == set(), "packages listed that the source tree does not have"
 
 
 def _cli_variables() -> set[str]:

@@ -1,7 +1,8 @@
-"""``projections.export``: lines, redaction, reading back, offline verification, paging the log.
+"""``waystation.projections.export``: lines, redaction, reading back, offline verification, paging
+the log.
 
-Also the parts of ``projections.audit`` that export and point-in-time reading rest on: verifying
-part of a stream, redacted events, unreadable schema versions, and ``state_as_of``.
+Also the parts of ``waystation.projections.audit`` that export and point-in-time reading rest on:
+verifying part of a stream, redacted events, unreadable schema versions, and ``state_as_of``.
 Streams come from ``tests.unit.test_audit.build`` (the real hash chain) or from the real
 in-memory store.
 """
@@ -18,7 +19,7 @@ from typing import Any
 import orjson
 import pytest
 
-from events import (
+from waystation.events import (
     EventMetadata,
     EventStore,
     NewEvent,
@@ -28,11 +29,11 @@ from events import (
     canonical,
     event_id,
 )
-from events.codec import GENESIS_HASH
-from events.memory import InMemoryEventStore
-from events.store import Position
-from projections.audit import state_as_of, timeline, verify_stream
-from projections.export import (
+from waystation.events.codec import GENESIS_HASH
+from waystation.events.memory import InMemoryEventStore
+from waystation.events.store import Position
+from waystation.projections.audit import state_as_of, timeline, verify_stream
+from waystation.projections.export import (
     ExportedEvent,
     ExportFormatError,
     Selection,

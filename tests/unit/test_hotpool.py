@@ -1,7 +1,7 @@
-"""The hot path's connections (``events.hotpool``): at most ``size`` open, reused when given back
-cleanly, terminated otherwise, a bounded wait in line for a free one, and a close that waits for
-the ones still out. Stand-in connections here; tests/integration/test_store_errors.py runs the
-store's own checkouts on PostgreSQL (a cancelled statement's connection is not reused)."""
+"""The hot path's connections (``waystation.events.hotpool``): at most ``size`` open, reused when
+given back cleanly, terminated otherwise, a bounded wait in line for a free one, and a close that
+waits for the ones still out. Stand-in connections here; tests/integration/test_store_errors.py runs
+the store's own checkouts on PostgreSQL (a cancelled statement's connection is not reused)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 
-from events.hotpool import HotConnections, PoolClosed
+from waystation.events.hotpool import HotConnections, PoolClosed
 
 from ..support import eventually
 

@@ -9,8 +9,8 @@ import logging
 import orjson
 import pytest
 
-from workers.logs import configure_logging, log_context
-from workers.wire import trace_id_of
+from waystation.logs import configure_logging, log_context
+from waystation.wire import trace_id_of
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Pool limits: ``concurrency`` and ``rate`` checked where the agent is declared
-(``workers.policies``), how long a refused run's task waits and what its waiting copy carries
-(``workers.limits``, ``workers.settle``), and one worker's leases over the in-memory slots."""
+(``waystation.policies``), how long a refused run's task waits and what its waiting copy carries
+(``waystation.limits``, ``waystation.settle``), and one worker's leases over the in-memory slots."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ from typing import Any
 
 import pytest
 
-from events import Complete, OutboxMessage, Outcome
-from workers import App, PolicyError, Rate, TaskContext
-from workers.broker import Delivery
-from workers.limits import FIRST_WAIT, UNLIMITED, Admission, PoolLimits, Wait
-from workers.observer import Observer
-from workers.policies import MAX_SLOTS
-from workers.settle import Settler, sent_again, wait, waits_of
-from workers.slots import Refusal
-from workers.slots.memory import MemorySlotLeases
-from workers.wire import HEADER_ATTEMPTS, HEADER_USER, HEADER_WAITS, Names
+from waystation import App, PolicyError, Rate, TaskContext
+from waystation.broker import Delivery
+from waystation.events import Complete, OutboxMessage, Outcome
+from waystation.limits import FIRST_WAIT, UNLIMITED, Admission, PoolLimits, Wait
+from waystation.observer import Observer
+from waystation.policies import MAX_SLOTS
+from waystation.settle import Settler, sent_again, wait, waits_of
+from waystation.slots import Refusal
+from waystation.slots.memory import MemorySlotLeases
+from waystation.wire import HEADER_ATTEMPTS, HEADER_USER, HEADER_WAITS, Names
 
 
 async def handler(task: TaskContext) -> Outcome:

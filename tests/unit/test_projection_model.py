@@ -1,8 +1,8 @@
-"""``projections.model``: the shapes its results take outside the projections."""
+"""``waystation.projections.model``: the shapes its results take outside the projections."""
 
 from __future__ import annotations
 
-from projections.model import AgentCounts
+from waystation.projections.model import AgentCounts
 
 
 def test_agent_counts_show_the_mean_pause_instead_of_the_total() -> None:

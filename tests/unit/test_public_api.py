@@ -84,7 +84,7 @@ WORKERS_API = [
     "Worker",
 ]
 
-PINNED = {"events": EVENTS_API, "workers": WORKERS_API}
+PINNED = {"waystation.events": EVENTS_API, "waystation": WORKERS_API}
 
 
 def module(name: str) -> ModuleType:
@@ -117,6 +117,6 @@ def test_star_import_gives_exactly_all(name: str) -> None:
 
 
 def test_the_handler_api_is_the_same_objects_in_both_packages() -> None:
-    events, workers = module("events"), module("workers")
+    events, workers = module("waystation.events"), module("waystation")
     for shared in sorted(set(EVENTS_API) & set(WORKERS_API)):
         assert getattr(workers, shared) is getattr(events, shared), shared

@@ -9,9 +9,9 @@ from pathlib import Path
 import click
 from pydantic_core import PydanticUndefined
 
-from workers.cli import main
-from workers.metrics import Metrics
-from workers.settings import Settings
+from waystation.cli import main
+from waystation.metrics import Metrics
+from waystation.settings import Settings
 
 from ..documents import DOCS, README, ROOT, anchors, code_blocks, documents, links, table_after
 

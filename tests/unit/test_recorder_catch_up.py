@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from events import (
+from waystation.events import (
     GENESIS_HASH,
     DomainEvent,
     NewEvent,
@@ -22,11 +22,11 @@ from events import (
     TaskState,
     event_id,
 )
-from events.memory import InMemoryEventStore
-from workers.faults import FaultPlan
-from workers.observer import Observer
-from workers.recorder import Cause, Recorder
-from workers.wire import Names
+from waystation.events.memory import InMemoryEventStore
+from waystation.faults import FaultPlan
+from waystation.observer import Observer
+from waystation.recorder import Cause, Recorder
+from waystation.wire import Names
 
 TASK = "t-1"
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from events import EventMetadata, NewEvent, TaskResumed, TaskState
-from workers.faults import FaultPlan
-from workers.recorder import Cause, Recorder
-from workers.wire import Names
+from waystation.events import EventMetadata, NewEvent, TaskResumed, TaskState
+from waystation.faults import FaultPlan
+from waystation.recorder import Cause, Recorder
+from waystation.wire import Names
 
 
 def recorder() -> Recorder:

@@ -1,13 +1,13 @@
-"""Reply routing's choices (``workers.routing``): weights, homes claimed in the pool's slots,
+"""Reply routing's choices (``waystation.routing``): weights, homes claimed in the pool's slots,
 and the priorities and ``reply_to`` that follow from them."""
 
 from __future__ import annotations
 
 import itertools
 
-from workers.routing import WEIGHT_SPAN, ReplyRoutes, ranked, weight
-from workers.slots.memory import MemorySlotLeases
-from workers.wire import Names
+from waystation.routing import WEIGHT_SPAN, ReplyRoutes, ranked, weight
+from waystation.slots.memory import MemorySlotLeases
+from waystation.wire import Names
 
 NAMES = Names("t.", reply_shards=4)
 

@@ -1,17 +1,17 @@
 """A pause may not leave the agent's state larger than ``max_state_bytes`` (issue 14, section 5).
 
-The check is part of the decision (``events.task.decide_outcome``): the size is the canonical
-JSON of the whole state once the pause's update is applied, so a delta that shrinks the state
-passes and one that grows it past the limit fails, whatever the size of the delta itself.
+The check is part of the decision (``waystation.events.task.decide_outcome``): the size is the
+canonical JSON of the whole state once the pause's update is applied, so a delta that shrinks the
+state passes and one that grows it past the limit fails, whatever the size of the delta itself.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from events import Call, Complete, Pause, TaskStarted, TaskState, decide_outcome
-from events.codec import canonical
-from events.task import InvalidTransition, StateTooLarge
+from waystation.events import Call, Complete, Pause, TaskStarted, TaskState, decide_outcome
+from waystation.events.codec import canonical
+from waystation.events.task import InvalidTransition, StateTooLarge
 
 NOW = 1_700_000_000.0
 

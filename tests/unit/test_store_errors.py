@@ -1,4 +1,5 @@
-"""How the PostgreSQL store classifies the SQLSTATEs it can meet (``events.errors`` has the tree).
+"""How the PostgreSQL store classifies the SQLSTATEs it can meet (``waystation.events.errors`` has
+the tree).
 
 ``tests/integration/test_store_errors.py`` provokes one real error of each transient class on the
 real server; this table covers the codes of those classes that cannot be provoked on a shared
@@ -11,8 +12,8 @@ from __future__ import annotations
 import asyncpg
 import pytest
 
-from events import IntegrityError, StoreUnavailable
-from events.postgres import _translate
+from waystation.events import IntegrityError, StoreUnavailable
+from waystation.events.postgres import _translate
 
 TRANSIENT = {
     "08000": "connection exception",

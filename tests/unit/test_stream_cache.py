@@ -6,11 +6,11 @@ import uuid
 
 import pytest
 
-from events import GENESIS_HASH, NewEvent, RecordedEvent, TaskState, fold
-from events.chain import recorded_events
-from events.codec import dumps
-from workers import recorder as recorder_module
-from workers.recorder import StreamCache
+from waystation import recorder as recorder_module
+from waystation.events import GENESIS_HASH, NewEvent, RecordedEvent, TaskState, fold
+from waystation.events.chain import recorded_events
+from waystation.events.codec import dumps
+from waystation.recorder import StreamCache
 
 
 def stream(count: int, pad: int = 10, stream_id: str = "s") -> list[RecordedEvent]:

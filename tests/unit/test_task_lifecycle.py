@@ -2,9 +2,10 @@
 
 ``decide_timeout``, ``decide_extension``, ``decide_cancel`` and ``decide_failure``
 (``events/task.py``) are driven the way the worker drives them: fold the stream from an
-:class:`~events.memory.InMemoryEventStore`, decide, append at the version read (a conflict means
-re-read and decide again), fold again. The in-memory store also keeps the pending-calls projection
-(the sweeper's view), so every step checks that the projection agrees with the fold.
+:class:`~waystation.events.memory.InMemoryEventStore`, decide, append at the version read (a
+conflict means re-read and decide again), fold again. The in-memory store also keeps the
+pending-calls projection (the sweeper's view), so every step checks that the projection agrees with
+the fold.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import event as hypothesis_event
 from hypothesis import strategies as st
 
-from events import (
+from waystation.events import (
     AppendResult,
     Call,
     CancelledCall,
@@ -54,7 +55,7 @@ from events import (
     parse,
     subtask_id,
 )
-from events.memory import InMemoryEventStore
+from waystation.events.memory import InMemoryEventStore
 
 AFTER_EVERY_DEADLINE = math.inf  # the sweeper only offers calls whose deadline passed
 NOW = 1_700_000_000.0

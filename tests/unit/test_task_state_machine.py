@@ -1,12 +1,13 @@
 """Property tests of the task's pure state machine (``events/task.py``).
 
 A tiny driver plays the runtime's part without a broker or a database: it folds the task's stream
-from an :class:`~events.memory.InMemoryEventStore`, asks ``decide_*`` what to append, turns the
-decided :class:`~events.model.DomainEvent` objects into ``NewEvent`` rows with the deterministic
-:func:`~events.task.event_id` (the causation keys the worker uses), appends them at the version it
-read, and folds again. Hypothesis chooses the script (how often the handler pauses, how many calls,
-what it does to its state) and the order in which replies, redeliveries, genuine duplicates,
-replies for unknown calls and resume messages arrive.
+from an :class:`~waystation.events.memory.InMemoryEventStore`, asks ``decide_*`` what to append,
+turns the decided :class:`~waystation.events.model.DomainEvent` objects into ``NewEvent`` rows with
+the deterministic
+:func:`~waystation.events.task.event_id` (the causation keys the worker uses), appends them at the
+version it read, and folds again. Hypothesis chooses the script (how often the handler pauses, how
+many calls, what it does to its state) and the order in which replies, redeliveries, genuine
+duplicates, replies for unknown calls and resume messages arrive.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import event as hypothesis_event
 from hypothesis import strategies as st
 
-from events import (
+from waystation.events import (
     AppendResult,
     Call,
     Complete,
@@ -54,9 +55,9 @@ from events import (
     parse_subtask_id,
     subtask_id,
 )
-from events.memory import InMemoryEventStore
-from events.simulation import simulate
-from events.task import MAX_IGNORED_REPLIES, over_ignored_limit
+from waystation.events.memory import InMemoryEventStore
+from waystation.events.simulation import simulate
+from waystation.events.task import MAX_IGNORED_REPLIES, over_ignored_limit
 
 NOW = 1_700_000_000.0
 DEFAULT_TIMEOUT = 30.0

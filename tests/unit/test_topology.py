@@ -10,8 +10,8 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from workers.topology import apply_policy, management_url_of, policy_definition
-from workers.wire import Names
+from waystation.topology import apply_policy, management_url_of, policy_definition
+from waystation.wire import Names
 
 from ..support import management_api
 

@@ -1,5 +1,5 @@
 """Trace context on the wire (``traceparent`` on every message a worker publishes) and the spans
-of ``workers.tracing``, with the SDK's in-memory exporter in this process."""
+of ``waystation.tracing``, with the SDK's in-memory exporter in this process."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from events import (
+from waystation import tracing
+from waystation.events import (
     PendingCall,
     ResultRecorded,
     SubtaskClaimed,
@@ -19,8 +20,7 @@ from events import (
     TaskStarted,
     TaskState,
 )
-from workers import tracing
-from workers.tracing import (
+from waystation.tracing import (
     call_key,
     end_key,
     reply_key,
@@ -29,7 +29,7 @@ from workers.tracing import (
     trace_hex,
     traceparent,
 )
-from workers.wire import (
+from waystation.wire import (
     HEADER_TRACE,
     HEADER_TRACEPARENT,
     Names,

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from events import (
+from waystation.events import (
     DomainEvent,
     RecordedEvent,
     TaskPaused,
@@ -23,8 +23,8 @@ from events import (
     fold,
     parse,
 )
-from events.model import event_types
-from events.upcasting import BUILTIN
+from waystation.events.model import event_types
+from waystation.events.upcasting import BUILTIN
 
 
 class Greeting(DomainEvent):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from events import (
+from waystation.events import (
     PendingCall,
     ResultRecorded,
     SubtaskClaimed,
@@ -11,7 +11,7 @@ from events import (
     TaskResumed,
     TaskState,
 )
-from workers.wire import TYPE_RESUME, TYPE_TASK, Names, implied_messages
+from waystation.wire import TYPE_RESUME, TYPE_TASK, Names, implied_messages
 
 NAMES = Names("t.")
 STATE = TaskState(

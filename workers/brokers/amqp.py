@@ -3,20 +3,20 @@
 One robust connection (it reconnects by itself, and restores its channels and consumers), one
 confirming channel for publishing (mandatory, returns raised as errors), one channel for
 consuming with the prefetch of the first consumer. Driver errors are translated at this
-boundary into the port's own (``workers.broker``).
+boundary into the port's own (``waystation.broker``).
 
 The hot path goes under aio-pika to aiormq, its AMQP layer, where aio-pika's objects cost a
 measured share of a worker's CPU: publishes and acks are aiormq frames, and consumers take
 aiormq's deliveries as they come (:class:`_DirectQueue`). aio-pika still owns the connection,
 the channels and their recovery. The connection opens in a context of its own
-(``workers.brokers.frames.context``), which its reader inherits, and its publishes and acks are
+(``waystation.brokers.frames.context``), which its reader inherits, and its publishes and acks are
 marked; the deliveries' handlers run outside it. Its frames, and only its, are decoded through
 the frames' dispatcher, which guards their content headers (a delivery whose metadata cannot be
 decoded costs that message alone, never the connection; without the dispatcher, the guarded
-transport of ``workers.brokers.transport`` does it), and are encoded and decoded by
-``workers.brokers.frames`` (the same bytes, faster; ``fast_frames``).
+transport of ``waystation.brokers.transport`` does it), and are encoded and decoded by
+``waystation.brokers.frames`` (the same bytes, faster; ``fast_frames``).
 
-The broker can say no (``workers.broker``): a nack is :class:`PublishRefused`; a message the
+The broker can say no (``waystation.broker``): a nack is :class:`PublishRefused`; a message the
 client cannot encode is :class:`Unsendable` before anything is sent; and one over RabbitMQ's
 ``max_message_size`` closes the channel it came on (``PRECONDITION_FAILED - message size N is
 larger than configured max size M``), failing every publish under way on it, and a frame sent on
@@ -48,7 +48,7 @@ from aio_pika.abc import (
     ConsumerTag,
 )
 
-from events import OutboxMessage
+from waystation.events import OutboxMessage
 
 from .. import topology
 from ..broker import (
@@ -236,7 +236,7 @@ class AmqpBroker(Broker):
 
     ``delivery_limit``, ``policy`` (``auto``, ``rabbitmqctl``, ``management`` or ``none``) and
     ``management_url`` (default: derived from ``url``) say how :meth:`declare` applies the
-    deployment's queue policy (``workers.topology``).
+    deployment's queue policy (``waystation.topology``).
     """
 
     def __init__(
@@ -254,7 +254,7 @@ class AmqpBroker(Broker):
         """Whether this connection's frames are read through the frames' dispatcher, which
         guards their content headers (else through the guarded transport)."""
         self.fast_frames = fast_frames and self._dispatched
-        """Whether this connection's frames are coded by ``workers.brokers.frames``."""
+        """Whether this connection's frames are coded by ``waystation.brokers.frames``."""
         self._management_url = management_url or topology.management_url_of(url)
         self.connection_name = connection_name
         self._delivery_limit = delivery_limit
@@ -365,7 +365,7 @@ class AmqpBroker(Broker):
         await self._publish(message, message.exchange)
 
     async def publish_later(self, message: OutboxMessage, delay: float) -> None:
-        """Through the wait queue of the delay's step (``workers.policies.wait_step``): a quorum
+        """Through the wait queue of the delay's step (``waystation.policies.wait_step``): a quorum
         queue whose messages expire after the step and are dead-lettered, at least once, to the
         default exchange with their own routing key, which is their queue. Declared on first
         use; its exchange (fanout) keeps the routing key as it is."""

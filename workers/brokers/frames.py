@@ -15,7 +15,7 @@ Scoped: :func:`install` puts a dispatcher in pamqp's place (aiormq looks the fun
 the ``pamqp.frame`` module at each call) that uses this codec only where :func:`ours` says so
 (a context variable) and pamqp's own functions everywhere else, so that no other connection of
 the process reads or writes differently. The same dispatcher guards the content headers of
-Waystation's own connection (``workers.brokers.metadata.guard_content_header``): one that does
+Waystation's own connection (``waystation.brokers.metadata.guard_content_header``): one that does
 not decode becomes one that does, instead of ending the connection's reader (whether or not
 this codec codes the rest). Waystation's AMQP backend opens its connection in such
 a context (its reader task inherits it), and marks its own publishes and acks; the deliveries'
@@ -442,7 +442,7 @@ Waystation's own, whose content headers are guarded, coded by pamqp (``_GUARDED`
 codec (``_FAST``)."""
 
 _guard: Callable[[bytes], tuple[bytes, Any | None]] | None = None
-"""``workers.brokers.metadata.guard_content_header``, set by :func:`install`."""
+"""``waystation.brokers.metadata.guard_content_header``, set by :func:`install`."""
 
 
 def ours() -> bool:
@@ -514,7 +514,7 @@ def _guarded_header(data_in: bytes) -> tuple[int, int, Any] | None:
 
 def install() -> bool:
     """Put the dispatcher in pamqp's place (idempotent): where the frames are Waystation's own
-    (:func:`context`), content headers guarded (``workers.brokers.metadata``) and this codec
+    (:func:`context`), content headers guarded (``waystation.brokers.metadata``) and this codec
     where asked for; pamqp's own functions everywhere else. False, and nothing changed, when
     pamqp's frame layout is not the one this codec knows."""
     global _guard

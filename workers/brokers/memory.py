@@ -2,7 +2,7 @@
 relies on, for fast tests, the deterministic simulation, and trying handlers without services.
 
 :class:`InMemoryBroker` is the broker (queues, exchanges, the delivery-limit policy); each worker
-opens its own :class:`InMemoryConnection`, which implements the port (``workers.broker``):
+opens its own :class:`InMemoryConnection`, which implements the port (``waystation.broker``):
 
 * an unsettled delivery returns to the head of its queue when its connection drops or is closed;
 * the broker counts deliveries that were not settled. ``counting="classic"`` (RabbitMQ before
@@ -10,18 +10,18 @@ opens its own :class:`InMemoryConnection`, which implements the port (``workers.
   only ``x-acquired-count``, and ``x-delivery-count`` (which the delivery limit reads) stays put;
 * past the delivery limit the broker dead-letters the message through the queue's dead-letter
   exchange (``x-first-death-reason: delivery_limit``);
-* a mandatory publish that no queue takes raises :class:`~workers.broker.Unroutable`;
-* the broker can say no (``workers.broker``): a message whose routing key, properties or headers
-  AMQP cannot encode raises :class:`~workers.broker.Unsendable` before anything is sent; one
+* a mandatory publish that no queue takes raises :class:`~waystation.broker.Unroutable`;
+* the broker can say no (``waystation.broker``): a message whose routing key, properties or headers
+  AMQP cannot encode raises :class:`~waystation.broker.Unsendable` before anything is sent; one
   larger than ``max_message_bytes`` raises it too (``too-large``); a queue declared with
   ``max_length`` and
   ``overflow="reject-publish"`` that is full nacks a publish, and so does the broker itself at
-  ``nack_rate`` (:class:`~workers.broker.PublishRefused`);
+  ``nack_rate`` (:class:`~waystation.broker.PublishRefused`);
 * :meth:`InMemoryBroker.enqueue_raw` takes a message whose properties are raw bytes, as a
   hostile publisher writes them, and delivers what the AMQP backend would give for them
-  (``workers.brokers.metadata.guard_content_header``);
+  (``waystation.brokers.metadata.guard_content_header``);
 * a publish not yet confirmed when its connection drops raises
-  :class:`~workers.broker.BrokerUnavailable`, and the message was kept or lost depending on
+  :class:`~waystation.broker.BrokerUnavailable`, and the message was kept or lost depending on
   whether the broker had received it;
 * an ack sent just before a drop may be lost: the delivery then comes again.
 
@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 import pamqp.header
 
-from events import OutboxMessage
+from waystation.events import OutboxMessage
 
 from ..broker import (
     Broker,

@@ -10,12 +10,12 @@ thousands deep).
 So the connections Waystation opens read through :class:`GuardedTransport`, an aiormq transport
 factory (aiormq's public ``transport_factory``): it hands aiormq's reader the same bytes, frame
 by frame, except a content header that does not decode, which it replaces by one that does
-(``workers.brokers.metadata.guard_content_header``). The message then costs itself alone: the
+(``waystation.brokers.metadata.guard_content_header``). The message then costs itself alone: the
 worker dead-letters it (``undecodable-metadata``) and the connection stays up.
 
 Nothing here changes how any other connection of the process reads or writes: only a connection
 made with :func:`guarded_connection` goes through it. (The worker's own connection needs no
-wrapper: the frames' dispatcher of ``workers.brokers.frames`` guards its content headers as it
+wrapper: the frames' dispatcher of ``waystation.brokers.frames`` guards its content headers as it
 decodes them, at no cost to its other frames. This transport serves the connections that do not
 go through that dispatcher: the client's, the command line's.)
 """
@@ -141,7 +141,7 @@ async def guarded_connection(
 ) -> AbstractRobustConnection:
     """A robust connection to ``url`` whose frames are read through a :class:`GuardedReader`;
     with ``reader=False``, aio-pika's own (for a connection whose content headers the frames'
-    dispatcher guards: opened in ``workers.brokers.frames.context``)."""
+    dispatcher guards: opened in ``waystation.brokers.frames.context``)."""
     return await aio_pika.connect_robust(
         url,
         client_properties=client_properties,

@@ -1,4 +1,4 @@
-"""``python -m workers.cli``: the ``waystation`` command without its console script."""
+"""``python -m waystation.cli``: the ``waystation`` command without its console script."""
 
 from . import main
 

@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING
 
 import click
 
-from events.codec import dumps
+from waystation import migrations
+from waystation.events.codec import dumps
 
 from .wiring import load_settings, run, with_projection_engine
 
 if TYPE_CHECKING:
-    from projections.postgres import ProjectionStatus
+    from waystation.projections.postgres import ProjectionStatus
 
 __all__ = ["db", "print_projection_status", "projections_group"]
 
@@ -29,7 +30,6 @@ def db() -> None:
 @db.command()
 def upgrade() -> None:
     """Create the database if missing and migrate it to the newest schema."""
-    import migrations
 
     settings = load_settings()
     asyncio.run(migrations.upgrade(settings.database_url))
@@ -45,7 +45,7 @@ def projections_group() -> None:
 @click.option("--json", "as_json", is_flag=True, help="JSON instead of a table.")
 def projection_status_command(as_json: bool) -> None:
     """Each projection's checkpoint, how many events it is behind and how old the oldest is."""
-    from projections.postgres import projection_status
+    from waystation.projections.postgres import projection_status
 
     statuses = run(with_projection_engine(load_settings(), projection_status))
     if as_json:
@@ -87,7 +87,7 @@ def rebuild_projection(name: str, check: bool, as_json: bool) -> None:
     0 the live table was right (or has been replaced with the rebuilt rows), 1 --check found
     differences.
     """
-    from projections.postgres import PROJECTIONS, rebuild
+    from waystation.projections.postgres import PROJECTIONS, rebuild
 
     report = run(
         with_projection_engine(load_settings(), rebuild, PROJECTIONS[name], check_only=check)

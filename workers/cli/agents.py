@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from events.codec import dumps
+from waystation.events.codec import dumps
 
 from .wiring import load_app, load_settings
 
@@ -15,7 +15,7 @@ __all__ = ["agents"]
 @click.option(
     "--app",
     "app_path",
-    default="workers.example:app",
+    default="waystation.example:app",
     show_default=True,
     help="The app whose agents to list, as module:attribute.",
 )

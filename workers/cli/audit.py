@@ -1,7 +1,7 @@
 """Commands that audit the log: verify it, show a task's history or past state, export it.
 
-The checks, the timeline and the export live in ``projections.audit`` and
-``projections.export``; here they are read from the database (or a file) and printed.
+The checks, the timeline and the export live in ``waystation.projections.audit`` and
+``waystation.projections.export``; here they are read from the database (or a file) and printed.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 
 import click
 
-from events.codec import dumps
+from waystation.events.codec import dumps
 
 from .wiring import load_settings, open_store, run
 
 if TYPE_CHECKING:
-    from events.model import RecordedEvent
-    from projections.audit import Problem
-    from projections.export import ExportSummary, Selection
+    from waystation.events.model import RecordedEvent
+    from waystation.projections.audit import Problem
+    from waystation.projections.export import ExportSummary, Selection
 
     from ..settings import Settings
 
@@ -51,7 +51,7 @@ def verify(task_id: str | None, export_file: Path | None, as_json: bool) -> None
     """
     if export_file is not None:
         sys.exit(_verify_file(export_file, task_id, as_json))
-    from projections.audit import verify_stream
+    from waystation.projections.audit import verify_stream
 
     if task_id is not None:
         streams = {task_id: _read_task(task_id)}
@@ -78,7 +78,7 @@ def verify(task_id: str | None, export_file: Path | None, as_json: bool) -> None
 
 
 def _verify_file(path: Path, task_id: str | None, as_json: bool) -> int:
-    from projections.export import ExportFormatError, read_export, verify_export
+    from waystation.projections.export import ExportFormatError, read_export, verify_export
 
     try:
         with path.open("rb") as lines:
@@ -128,7 +128,7 @@ def history(task_id: str, as_json: bool) -> None:
 
     Exit codes: 0 shown, 2 TASK_ID is not in the log.
     """
-    from projections.audit import pauses, timeline
+    from waystation.projections.audit import pauses, timeline
 
     events = _read_task(task_id)
     entries = timeline(events)
@@ -241,7 +241,7 @@ def export(
     the line lists their paths under "redacted". `waystation verify --file` checks the result
     offline. Exit codes: 0 written, 2 a --task is not in the log (nothing is written).
     """
-    from projections.export import DEFAULT_REDACT_KEYS, Selection
+    from waystation.projections.export import DEFAULT_REDACT_KEYS, Selection
 
     if no_redact and redact_keys:
         raise click.UsageError("--no-redact and --redact-key contradict each other")
@@ -279,7 +279,7 @@ async def _export(
     selection: Selection,
     redact_keys: frozenset[str],
 ) -> ExportSummary:
-    from projections.export import export_log
+    from waystation.projections.export import export_log
 
     store = open_store(settings)
     try:
@@ -314,7 +314,7 @@ def state(task_id: str, at_position: int | None, at_time: datetime | None, as_js
     A time is compared with recorded_at, the start of the transaction that wrote each event.
     Exit codes: 0 shown, 2 TASK_ID is not in the log or has no event at or before that point.
     """
-    from projections.audit import state_as_of
+    from waystation.projections.audit import state_as_of
 
     if at_position is not None and at_time is not None:
         raise click.UsageError("give --at-position or --at, not both")
@@ -380,7 +380,7 @@ def _read_task(task_id: str) -> list[RecordedEvent]:
 async def _read_streams(
     settings: Settings, task_id: str | None = None
 ) -> dict[str, list[RecordedEvent]]:
-    from projections.audit import read_streams
+    from waystation.projections.audit import read_streams
 
     store = open_store(settings)
     try:

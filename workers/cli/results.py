@@ -1,6 +1,6 @@
 """``waystation result``: a task's recorded outcome, read from the log.
 
-The same answer a ``query`` message gets from a worker (``workers.flows.query``), read here
+The same answer a ``query`` message gets from a worker (``waystation.flows.query``), read here
 straight from the database, as ``history`` and ``state`` do.
 """
 
@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 import click
 
-from events.codec import dumps
+from waystation.events.codec import dumps
 
 from .wiring import load_settings, open_store, run
 
 if TYPE_CHECKING:
-    from events import TaskState
+    from waystation.events import TaskState
 
     from ..settings import Settings
 
@@ -47,7 +47,7 @@ def result(task_id: str, as_json: bool) -> None:
 
 
 async def _load(settings: Settings, task_id: str) -> TaskState:
-    from events import fold
+    from waystation.events import fold
 
     store = open_store(settings)
     try:

@@ -18,7 +18,7 @@ __all__ = ["schema"]
 @click.option(
     "--app",
     "app_path",
-    default="workers.example:app",
+    default="waystation.example:app",
     show_default=True,
     help="The app the agent belongs to, as module:attribute (imported from the current "
     "directory first).",
@@ -31,7 +31,7 @@ def schema(agent: str, app_path: str) -> None:
     invalid-input); the result schema is what the "result" of an ok answer holds. A side the
     agent declares no model for is null: any JSON. Exit codes: 0 printed, 2 no such agent.
     """
-    from events.codec import dumps
+    from waystation.events.codec import dumps
 
     from ..agent import App
 

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from waystation import migrations
+
 from .wiring import load_app, load_settings, run
 
 if TYPE_CHECKING:
@@ -31,7 +33,7 @@ log = logging.getLogger("waystation")
 @click.option(
     "--app",
     "app_path",
-    default="workers.example:app",
+    default="waystation.example:app",
     show_default=True,
     help="The app to serve, as module:attribute (imported from the current directory first).",
 )
@@ -112,8 +114,7 @@ def _stop_on_signal() -> asyncio.Event:
 
 
 async def _serve(app: Any, settings: Settings) -> None:
-    import migrations
-    from events.postgres import PostgresEventStore
+    from waystation.events.postgres import PostgresEventStore
 
     from ..metrics import HttpServer, Metrics, database_gauges
     from ..runtime import Worker
@@ -147,9 +148,8 @@ async def _serve(app: Any, settings: Settings) -> None:
 
 
 async def _run_projections(settings: Settings) -> None:
-    import migrations
-    from events.postgres import horizon_holder
-    from projections.postgres import PROJECTIONS, ProjectionRunner, create_engine
+    from waystation.events.postgres import horizon_holder
+    from waystation.projections.postgres import PROJECTIONS, ProjectionRunner, create_engine
 
     from ..metrics import Health, HttpServer, Metrics, projection_gauges
 

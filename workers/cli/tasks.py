@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from events.codec import dumps, loads
+from waystation.events.codec import dumps, loads
 
 from .admin import print_projection_status
 from .wiring import load_settings, open_store, run, with_projection_engine
@@ -20,8 +20,8 @@ from .wiring import load_settings, open_store, run, with_projection_engine
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-    from projections.model import AgentCounts
-    from projections.postgres import ProjectionStatus
+    from waystation.projections.model import AgentCounts
+    from waystation.projections.postgres import ProjectionStatus
 
     from ..deadletters import DeadLetter
     from ..settings import Settings
@@ -115,7 +115,7 @@ def cancel(task_id: str, agent: str | None, reason: str | None, timeout: float) 
 async def _cancel(
     settings: Settings, task_id: str, agent: str | None, reason: str | None, timeout: float
 ) -> int:
-    from events import fold
+    from waystation.events import fold
 
     from ..client import Client
 
@@ -205,7 +205,7 @@ def list_paused_tasks(agent: str | None, status: str | None, limit: int, as_json
 
     A task appears from its first pause until it completes, fails or is cancelled.
     """
-    from projections.postgres import paused_tasks
+    from waystation.projections.postgres import paused_tasks
 
     rows = run(
         with_projection_engine(
@@ -274,6 +274,6 @@ def status(as_json: bool) -> None:
 async def _agents_and_projections(
     engine: AsyncEngine,
 ) -> tuple[dict[str, AgentCounts], list[ProjectionStatus]]:
-    from projections.postgres import agent_stats, projection_status
+    from waystation.projections.postgres import agent_stats, projection_status
 
     return await agent_stats(engine), await projection_status(engine)

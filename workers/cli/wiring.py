@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-    from events.postgres import PostgresEventStore
+    from waystation.events.postgres import PostgresEventStore
 
     from ..settings import Settings
 
@@ -69,7 +69,7 @@ def run(coroutine: Coroutine[Any, Any, T]) -> T:
     """Run a command's coroutine to completion, on uvloop where it is installed. When the event
     log cannot be used (the database does not exist, refuses us, or is down), say so in one line
     naming the setting to check, and exit ``EXIT_STORE``, rather than with a traceback."""
-    from events.errors import EventStoreError
+    from waystation.events.errors import EventStoreError
 
     try:
         try:
@@ -90,13 +90,13 @@ def run(coroutine: Coroutine[Any, Any, T]) -> T:
 
 def open_store(settings: Settings) -> PostgresEventStore:
     """The event log for a one-shot command: one connection is enough."""
-    from events.postgres import PostgresEventStore
+    from waystation.events.postgres import PostgresEventStore
 
     return PostgresEventStore.from_url(settings.database_url, pool_size=1)
 
 
 def projection_engine(settings: Settings) -> AsyncEngine:
-    from projections.postgres import create_engine
+    from waystation.projections.postgres import create_engine
 
     return create_engine(settings.database_url, pool_size=2)
 

@@ -1,9 +1,9 @@
 """The worker's flows, one per message kind (docs/internals.md): decide, append, publish, settle.
 
-Each flow takes a delivery and returns what should become of it (``workers.settle.Settled``);
+Each flow takes a delivery and returns what should become of it (``waystation.settle.Settled``);
 the worker settles it afterwards, so that no flow acks before its effect is durable (G1).
 
-What each queue takes (``workers.wire``):
+What each queue takes (``waystation.wire``):
 
 * ``P<agent>``: ``task`` (:mod:`.task`), ``resume`` (:mod:`.resume`), ``cancel`` (:mod:`.cancel`),
   ``query`` (:mod:`.query`);

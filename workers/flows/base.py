@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from events import (
+from waystation.events import (
     Complete,
     InvalidTransition,
     Outcome,
@@ -24,7 +24,7 @@ from events import (
     TaskState,
     decide_failure,
 )
-from events.codec import dumps, loads
+from waystation.events.codec import dumps, loads
 
 from .. import tracing
 from ..agent import AgentSpec, App, TaskContext
@@ -146,7 +146,7 @@ class Flows:
     threads: Executor | None = None
     """Where plain ``def`` handlers run (None: the event loop's default executor)."""
     limits: PoolLimits | None = None
-    """The pool's limits, when an agent of the app declares one (``workers.limits``)."""
+    """The pool's limits, when an agent of the app declares one (``waystation.limits``)."""
 
     def default_timeout(self, spec: AgentSpec) -> float:
         return spec.default_timeout or self.settings.default_call_timeout
@@ -166,7 +166,7 @@ class Flows:
 
     async def admit(self, spec: AgentSpec, delivery: Delivery, task_id: str) -> Admission | Settled:
         """The slots of a run of ``task_id`` when its agent has pool limits
-        (``workers.limits``); when one is full, what becomes of ``delivery`` instead: it waits in
+        (``waystation.limits``); when one is full, what becomes of ``delivery`` instead: it waits in
         the broker, its attempts untouched. An agent without limits is admitted at once, and so
         is a delivery out of attempts (it fails without running)."""
         if self.limits is None or not spec.limited or self.out_of_attempts(delivery):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from events import TaskState, decide_cancel
+from waystation.events import TaskState, decide_cancel
 
 from ..agent import AgentSpec
 from ..broker import Delivery

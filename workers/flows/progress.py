@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from events import decide_extension
+from waystation.events import decide_extension
 
 from ..broker import Delivery
 from ..recorder import Cause

@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from events import TaskState
-from events.codec import loads
+from waystation.events import TaskState
+from waystation.events.codec import loads
 
 from ..agent import AgentSpec
 from ..broker import Delivery

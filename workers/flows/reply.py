@@ -23,7 +23,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from events import (
+from waystation.events import (
     DomainEvent,
     InvalidTransition,
     Pause,
@@ -37,8 +37,8 @@ from events import (
     fold,
     parse_subtask_id,
 )
-from events.chain import recorded_events
-from events.task import MAX_IGNORED_REPLIES, over_ignored_limit
+from waystation.events.chain import recorded_events
+from waystation.events.task import MAX_IGNORED_REPLIES, over_ignored_limit
 
 from ..broker import Delivery
 from ..intake import Rejection
@@ -169,7 +169,7 @@ async def _resume_in_place(
     None leaves the decision as it was (``TaskResumed`` and a resume message, which any instance
     serving the agent takes): when resuming in place is off, when this worker does not serve
     the task's agent, or when the agent has pool limits (its resumed run must take its slots,
-    and wait in the broker when they are full, as every run of it does: ``workers.limits``).
+    and wait in the broker when they are full, as every run of it does: ``waystation.limits``).
     A run that fails is judged by the agent's policy, as any run is: an error that trying again
     cannot help (``Permanent``, an outcome that can never be recorded), or an agent that allows
     no retry, fails the task in this same append; otherwise the decision stays, and its resume

@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Any
 
-from events import InvalidTransition, Pause, VersionConflict, decide_outcome
+from waystation.events import InvalidTransition, Pause, VersionConflict, decide_outcome
 
 from ..agent import AgentSpec
 from ..broker import Delivery

@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from events import (
+from waystation.events import (
     MAX_TASK_ID_BYTES,
     Complete,
     Pause,

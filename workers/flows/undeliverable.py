@@ -1,6 +1,6 @@
 """A committed message the broker will not take: it costs that message alone (G4, G9).
 
-The outbox publishes what committed events imply (``workers.outbox``). When the broker says no
+The outbox publishes what committed events imply (``waystation.outbox``). When the broker says no
 for good to one of them (no queue takes it: ``unroutable``; it can never be sent as it is:
 ``too-large``, ``unencodable``; or it kept refusing it for ``WAYSTATION_REFUSED_RETRY_SECONDS``:
 ``refused``), the message is kept as a dead letter with that reason, and its task gets a
@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from events import OutboxMessage, decide_failure, decide_reply, parse_subtask_id
-from events.codec import loads
+from waystation.events import OutboxMessage, decide_failure, decide_reply, parse_subtask_id
+from waystation.events.codec import loads
 
 from ..broker import BrokerError, PublishRefused, Unroutable, Unsendable
 from ..recorder import Cause

@@ -2,7 +2,7 @@
 
 PenguiFlow's admin CLI loads it by its factory::
 
-    penguiflow-admin history --state-store workers.penguiflow:create_store TRACE_ID
+    penguiflow-admin history --state-store waystation.penguiflow:create_store TRACE_ID
 
 :func:`create_store` reads the worker's ``WAYSTATION_*`` settings (the database URL, the queue
 prefix as the records' deployment); :func:`create_memory_store` needs no services (tests, a
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from events import EventStore
-from events.memory import InMemoryEventStore
+from waystation import migrations
+from waystation.events import EventStore
+from waystation.events.memory import InMemoryEventStore
 
 from ..settings import Settings
 from .artifacts import MemoryBlobs, PostgresBlobs, WaystationArtifactStore
@@ -34,8 +35,7 @@ POOL_SIZE = 4
 async def create_store(**overrides: Any) -> WaystationStateStore:
     """The adapter on the PostgreSQL log the worker's settings name (``WAYSTATION_DATABASE_URL``),
     migrated to the current schema first; ``overrides`` are settings by name."""
-    import migrations
-    from events.postgres import PostgresEventStore
+    from waystation.events.postgres import PostgresEventStore
 
     settings = Settings(**overrides)
     await migrations.upgrade(settings.database_url)
@@ -49,7 +49,8 @@ async def create_store(**overrides: Any) -> WaystationStateStore:
 
 
 def create_memory_store(store: EventStore | None = None, **options: Any) -> WaystationStateStore:
-    """The adapter on an in-memory log (``events.memory.InMemoryEventStore``): nothing durable."""
+    """The adapter on an in-memory log (``waystation.events.memory.InMemoryEventStore``): nothing
+    durable."""
     log = store if store is not None else InMemoryEventStore()
     options.setdefault("artifact_store", _artifacts(log))
     return WaystationStateStore(log, **options)
@@ -58,7 +59,7 @@ def create_memory_store(store: EventStore | None = None, **options: Any) -> Ways
 def _artifacts(store: EventStore) -> WaystationArtifactStore:
     """The artifact store beside ``store``: the table ``penguiflow_artifacts`` of the same
     database for PostgreSQL, memory otherwise (``workers/penguiflow/artifacts.py``)."""
-    from events.postgres import PostgresEventStore
+    from waystation.events.postgres import PostgresEventStore
 
     if isinstance(store, PostgresEventStore):
         return WaystationArtifactStore(PostgresBlobs(store.engine))

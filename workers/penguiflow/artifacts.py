@@ -72,8 +72,8 @@ from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from events.codec import as_stored, unstorable
-from events.postgres import translate_error as _translate
+from waystation.events.codec import as_stored, unstorable
+from waystation.events.postgres import translate_error as _translate
 
 __all__ = [
     "Blob",
@@ -593,7 +593,7 @@ class PostgresBlobs(Blobs):
 
 @contextlib.contextmanager
 def _translated() -> Iterator[None]:
-    """Driver and SQLAlchemy errors leave as the event log's (``events.errors``)."""
+    """Driver and SQLAlchemy errors leave as the event log's (``waystation.events.errors``)."""
     try:
         yield
     except Exception as error:

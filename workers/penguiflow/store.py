@@ -22,7 +22,7 @@ Every query is answered from one stream, read through the log's index on ``(stre
 stream_version)``: no projection is needed, and what a method returns is always what the
 log holds at that moment. A repeated save carries the same event id (uuid5 of the spec's
 fingerprint, or of the record's own idempotency key) and is recognised as a duplicate; see
-:mod:`workers.penguiflow.streams` for how records and last-write-wins registers are appended.
+:mod:`waystation.penguiflow.streams` for how records and last-write-wins registers are appended.
 
 No method raises into PenguiFlow (the spec's "must not throw"): each is bounded by ``timeout``,
 and a failure is logged (``statestore_<method>_failed``), counted in :attr:`errors` (and the
@@ -55,7 +55,7 @@ from penguiflow.steering import sanitize_steering_event
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as PrometheusCounter
 
-from events import EventStore, RecordedEvent
+from waystation.events import EventStore, RecordedEvent
 
 from .streams import (
     LogWriter,

@@ -26,9 +26,9 @@ from typing import Any, Literal
 
 import orjson
 
-from events import GENESIS_HASH, EventStore, NewEvent, RecordedEvent, VersionConflict
-from events.codec import unstorable
-from events.errors import IntegrityError, StoreUnavailable
+from waystation.events import GENESIS_HASH, EventStore, NewEvent, RecordedEvent, VersionConflict
+from waystation.events.codec import unstorable
+from waystation.events.errors import IntegrityError, StoreUnavailable
 
 __all__ = [
     "NAMESPACE",

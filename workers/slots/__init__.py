@@ -1,10 +1,10 @@
-"""The slot port: where the pool keeps the slots of its agents' limits (``workers.limits``).
+"""The slot port: where the pool keeps the slots of its agents' limits (``waystation.limits``).
 
 An agent's ``concurrency`` of N is N slots of kind ``runs``; its ``rate`` of N starts per period
 is N slots of kind ``starts``. A run may start only once it holds one free slot of each of its
 agent's limits; a slot is free when its time is up (``expires_at`` has passed). A backend
-(:class:`~workers.slots.postgres.PostgresSlotLeases`, the pool's one, in the event log's
-database; :class:`~workers.slots.memory.MemorySlotLeases`, one process's, for tests and the
+(:class:`~waystation.slots.postgres.PostgresSlotLeases`, the pool's one, in the event log's
+database; :class:`~waystation.slots.memory.MemorySlotLeases`, one process's, for tests and the
 simulation) keeps the slots; the clock that says when a slot's time is up is the backend's own
 (PostgreSQL's ``now()``), so the workers' clocks need not agree.
 
@@ -25,7 +25,8 @@ backend):
 * ``give_back(leases)`` frees the ``runs`` slots of these leases at once. ``starts`` slots are
   never given back nor renewed: a start stays counted for its whole period.
 
-Errors are the event log's (``events.errors``): ``StoreUnavailable`` when trying again may work.
+Errors are the event log's (``waystation.events.errors``): ``StoreUnavailable`` when trying again
+may work.
 """
 
 from __future__ import annotations

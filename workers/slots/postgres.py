@@ -11,7 +11,7 @@ Every statement is one round trip in autocommit mode, on the event log's engine:
   out and was taken by another is not renewed (nor freed) by its old holder.
 
 The database's clock decides when a slot's time is up, so workers need not agree on the time.
-Errors leave as the event log's (``events.postgres.translate_error``).
+Errors leave as the event log's (``waystation.events.postgres.translate_error``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import TIMESTAMP
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from events.postgres import translate_error
+from waystation.events.postgres import translate_error
 
 from . import Limit, Refusal, SlotLeases
 

@@ -1,0 +1,105 @@
+"""The public test kit, ``waystation.testing.InMemoryPool``: the example in docs/agents.md runs as
+written, and the kit's client, ``join`` and errors behave as documented."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from waystation import App, Call, Complete, Pause, Permanent, TaskContext
+from waystation.testing import InMemoryPool
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "agents.md"
+
+
+def _the_docs_example() -> str:
+    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.S)
+    (example,) = [b for b in blocks if "from waystation.testing import InMemoryPool" in b]
+    return example
+
+
+async def test_the_docs_example_runs_as_written() -> None:
+    namespace: dict[str, Any] = {}
+    exec(compile(_the_docs_example(), str(DOCS), "exec"), namespace)
+    tests = [f for name, f in namespace.items() if name.startswith("test_")]
+    assert tests, "the example defines no test"
+    for test in tests:
+        assert inspect.iscoroutinefunction(test)
+        await test()
+
+
+def _app() -> tuple[App, asyncio.Event]:
+    app = App()
+    release = asyncio.Event()
+
+    @app.agent("parent")
+    async def parent(task: TaskContext) -> Any:
+        if task.pause == 0:
+            return Pause([Call("child", {"x": x}) for x in task.input["xs"]])
+        return Complete(sorted(r.value for r in task.results))
+
+    @app.agent("child")
+    async def child(task: TaskContext) -> Any:
+        return Complete(task.input["x"] * 10)
+
+    @app.agent("broken")
+    async def broken(task: TaskContext) -> Any:
+        raise Permanent("this input can never work")
+
+    @app.agent("slow")
+    async def slow(task: TaskContext) -> Any:
+        await release.wait()
+        return Complete("released")
+
+    return app, release
+
+
+async def test_calls_across_workers_are_answered_and_recorded_in_the_log() -> None:
+    app, _ = _app()
+    async with InMemoryPool(app, workers=3) as pool:
+        ids = [await pool.submit("parent", {"xs": [n, n + 1]}) for n in range(10)]
+        answers = [await pool.result(task_id) for task_id in ids]
+        assert [a.result for a in answers] == [[10 * n, 10 * (n + 1)] for n in range(10)]
+        await pool.join()
+        # every parent paused once, so its stream is in the log, finished
+        stream = await pool.store.read_stream(ids[0])
+        assert [e.event_type for e in stream][-1] == "TaskCompleted"
+        assert len(pool.workers) == 3
+
+
+async def test_a_failure_is_answered_as_an_error_and_dead_lettered_with_its_reason() -> None:
+    app, _ = _app()
+    async with InMemoryPool(app) as pool:
+        answer = await pool.call("broken", {})
+        assert not answer.ok and answer.status == "error"
+        assert "can never work" in str(answer.error)
+        await pool.join()
+        (letter,) = pool.dead_letters()
+        assert letter.header_view()["x-waystation-reason"] == "handler-failed"
+
+
+async def test_join_and_result_time_out_saying_what_is_under_way() -> None:
+    app, release = _app()
+    async with InMemoryPool(app) as pool:
+        task_id = await pool.submit("slow", {})
+        with pytest.raises(TimeoutError, match="1 unsettled deliveries"):
+            await pool.join(timeout=0.5)
+        with pytest.raises(TimeoutError, match=f"no answer to task {task_id!r}"):
+            await pool.result(task_id, timeout=0.2)
+        release.set()
+        assert (await pool.result(task_id)).result == "released"
+        await pool.join()
+
+
+async def test_a_task_for_an_agent_the_app_does_not_have_is_refused_before_it_is_sent() -> None:
+    app, _ = _app()
+    async with InMemoryPool(app) as pool:
+        with pytest.raises(ValueError, match=r"no agent 'parnet' \(its agents: broken, child"):
+            await pool.submit("parnet", {})
+    with pytest.raises(ValueError, match="at least one worker"):
+        InMemoryPool(app, workers=0)

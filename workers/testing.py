@@ -1,0 +1,212 @@
+"""A pool in one process, for tests: Waystation's real worker on the in-memory broker, log and
+pool slots, with a client. No RabbitMQ or PostgreSQL is needed::
+
+    from waystation.testing import InMemoryPool
+
+    async def test_the_orchestrator_sums_its_researchers() -> None:
+        async with InMemoryPool(app, workers=2) as pool:
+            result = await pool.call("orchestrator", {"question": "why", "k": 3})
+            assert result.ok and result.result["total"] == 6
+            await pool.join()  # until nothing is left to do: no message, delivery or outbox row
+
+The workers are :class:`~waystation.Worker` s, the same code a deployment runs; the broker and
+the log are the in-memory backends that pass the same contract suites as RabbitMQ and
+PostgreSQL. Tasks are published as any publisher would (plain messages of the wire format), and
+their answers collected on the pool's own reply queue. Every failure to finish in time raises
+:class:`TimeoutError` naming what was still under way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+from waystation.events import OutboxMessage
+from waystation.events.codec import dumps, loads
+from waystation.events.memory import InMemoryEventStore
+
+from .agent import App
+from .broker import Delivery
+from .brokers.memory import InMemoryBroker, InMemoryConnection, StoredMessage
+from .client import TaskResult
+from .runtime import Worker
+from .settings import Settings
+from .settle import crash_limit
+from .slots.memory import MemorySlotLeases
+from .wire import CONTENT_TYPE, TYPE_TASK, Names
+
+__all__ = ["InMemoryPool"]
+
+DEFAULTS: dict[str, Any] = {
+    "queue_prefix": "test.",
+    "broker_policy": "none",
+    "outbox_delay": 1.0,
+    "outbox_poll_interval": 0.1,
+    "sweep_interval": 0.1,
+    "shutdown_grace": 2.0,
+    "metrics_port": 0,
+}
+"""Settings of the pool's workers unless given: no metrics port, short polling intervals."""
+
+_RESULTS = "results"
+_POLL = 0.01
+
+
+class InMemoryPool:
+    """``workers`` workers of ``app`` on one in-memory broker, log and slot table, and a client.
+
+    ``settings`` (or keyword overrides of :data:`DEFAULTS`, by setting name) configure every
+    worker; the broker's delivery limit follows them, as the deployment's RabbitMQ policy
+    would. Use it as an ``async with`` block, or call :meth:`start` and :meth:`close`."""
+
+    def __init__(
+        self,
+        app: App,
+        *,
+        workers: int = 1,
+        settings: Settings | None = None,
+        **overrides: Any,
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"an in-memory pool needs at least one worker, not {workers}")
+        self.app = app
+        self.settings = settings or Settings(**{**DEFAULTS, **overrides})
+        self.names = Names(self.settings.queue_prefix)
+        # the broker's own backstop, as the deployment's RabbitMQ policy sets it
+        limit = crash_limit(self.settings.delivery_limit) + 1
+        self.broker = InMemoryBroker(delivery_limit=limit)
+        self.store = InMemoryEventStore()
+        self.slots = MemorySlotLeases()
+        self.workers: list[Worker] = []
+        self._size = workers
+        self._client: InMemoryConnection = self.broker.connection("client")
+        self._reply_queue = f"{self.settings.queue_prefix}{_RESULTS}"
+        self._results: dict[str, TaskResult] = {}
+        self._arrived = asyncio.Event()
+
+    async def __aenter__(self) -> InMemoryPool:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Declare the topology, start the workers, and listen for answers."""
+        await self._client.connect()
+        await self._client.declare(self.names, self.app.agents)
+        self.broker.declare_queue(self._reply_queue)
+        await self._client.consume(self._reply_queue, self._on_answer, prefetch=1000)
+        for index in range(self._size):
+            await self.add_worker(f"worker-{index + 1}")
+
+    async def add_worker(self, name: str | None = None) -> Worker:
+        """Start one more worker in the pool (a deployment scaled out)."""
+        name = name or f"worker-{len(self.workers) + 1}"
+        worker = Worker(
+            self.app,
+            self.settings.model_copy(update={"worker_id": name}),
+            self.store,
+            broker=self.broker.connection(name),
+            slots=self.slots,
+        )
+        await worker.start()
+        self.workers.append(worker)
+        return worker
+
+    async def close(self) -> None:
+        """Stop the workers (each lets its runs finish within ``shutdown_grace``)."""
+        for worker in self.workers:
+            await worker.stop()
+        self.workers.clear()
+        await self._client.close()
+
+    # ---- the client ----------------------------------------------------------------------------
+
+    async def submit(self, agent: str, input: Any = None, *, task_id: str | None = None) -> str:
+        """Publish a task to ``agent``, as any publisher would; its task id."""
+        if agent not in self.app.agents:
+            known = ", ".join(sorted(self.app.agents)) or "none"
+            raise ValueError(f"the app has no agent {agent!r} (its agents: {known})")
+        task_id = task_id or str(uuid.uuid4())
+        await self._client.publish(
+            OutboxMessage(
+                message_id=task_id,
+                routing_key=self.names.tasks(agent),
+                body=dumps(input),
+                properties={
+                    "type": TYPE_TASK,
+                    "correlation_id": task_id,
+                    "reply_to": self._reply_queue,
+                    "content_type": CONTENT_TYPE,
+                },
+            )
+        )
+        return task_id
+
+    async def result(self, task_id: str, timeout: float = 30.0) -> TaskResult:
+        """The answer to the task ``task_id``, waiting for it at most ``timeout`` seconds."""
+        try:
+            async with asyncio.timeout(timeout):
+                while task_id not in self._results:
+                    self._arrived.clear()
+                    await self._arrived.wait()
+        except TimeoutError:
+            raise TimeoutError(
+                f"no answer to task {task_id!r} within {timeout}s; {self._under_way()}"
+            ) from None
+        return self._results[task_id]
+
+    async def call(self, agent: str, input: Any = None, *, timeout: float = 30.0) -> TaskResult:
+        """Submit a task and wait for its answer."""
+        return await self.result(await self.submit(agent, input), timeout)
+
+    async def _on_answer(self, delivery: Delivery) -> None:
+        task_id = delivery.correlation_id or ""
+        try:
+            body = loads(delivery.body)
+            answer = TaskResult(task_id, body["status"], body.get("result"), body.get("error"))
+        except Exception:
+            answer = TaskResult(task_id, "error", error={"type": "MalformedResult"})
+        self._results.setdefault(task_id, answer)
+        self._arrived.set()
+        await self._client.ack(delivery)
+
+    # ---- what is left ------------------------------------------------------------------------
+
+    async def join(self, timeout: float = 30.0) -> None:
+        """Wait until the pool has nothing left to do: no message ready for a consumer, none
+        delivered and unsettled, none waiting to arrive (a retry's backoff), no outbox row.
+        A task paused on a call whose reply cannot come (a deadline ahead) is idle."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        quiet = 0
+        while quiet < 2:  # idle on two looks in a row, a turn of the loop apart
+            quiet = quiet + 1 if await self._idle() else 0
+            if loop.time() > deadline:
+                raise TimeoutError(f"the pool was not idle within {timeout}s; {self._under_way()}")
+            await asyncio.sleep(_POLL)
+
+    async def _idle(self) -> bool:
+        ready = any(q.ready and q.consumers for q in self.broker.queues.values())
+        return (
+            not ready
+            and self.broker.unsettled() == 0
+            and self.broker.waiting == 0
+            and await self.store.outbox_size() == 0
+        )
+
+    def _under_way(self) -> str:
+        ready = {
+            name: len(q.ready) for name, q in self.broker.queues.items() if q.ready and q.consumers
+        }
+        return (
+            f"under way: {self.broker.unsettled()} unsettled deliveries, "
+            f"{self.broker.waiting} messages waiting to arrive, ready messages {ready or 'none'}"
+        )
+
+    def dead_letters(self) -> list[StoredMessage]:
+        """The messages dead-lettered so far, oldest first (their headers say why:
+        ``x-waystation-reason``)."""
+        return self.broker.messages(self.names.dead_letter_queue)
