@@ -79,15 +79,15 @@ from _bench.memory import RssSampler, rss_summary
 from _bench.rebuild import rebuild_benchmark
 from _bench.report import fmt, memory_parents, print_report, summarise
 
-from tests.harness.broker import (
+from scripts.lab.harness.broker import (
     delete_topology,
     deployment_names,
     queue_depths,
     topology_queues,
     wait_for_consumers,
 )
-from tests.harness.database import with_database
-from tests.harness.processes import ROOT, WorkerProcess, log_problems, stop_all
+from scripts.lab.harness.database import with_database
+from scripts.lab.harness.processes import ROOT, WorkerProcess, log_problems, stop_all
 from waystation import migrations
 from waystation.client import Client
 from waystation.example import app as example_app

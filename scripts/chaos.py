@@ -98,7 +98,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from tests.harness.broker import (
+from scripts.lab.harness.broker import (
     apply_queue_policy,
     broker_connections,
     broker_size_limit,
@@ -109,9 +109,9 @@ from tests.harness.broker import (
     run_rabbitmqctl,
     temporary_vhost,
 )
-from tests.harness.checks import LogFigures, log_figures
-from tests.harness.database import PG_TOOLS, PostgresCluster
-from tests.harness.processes import (
+from scripts.lab.harness.checks import LogFigures, log_figures
+from scripts.lab.harness.database import PG_TOOLS, PostgresCluster
+from scripts.lab.harness.processes import (
     ROOT,
     WorkerProcess,
     free_port,

@@ -52,15 +52,15 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from tests.harness.broker import (
+from scripts.lab.harness.broker import (
     delete_topology,
     deployment_names,
     topology_queues,
     wait_for_consumers,
 )
-from tests.harness.checks import unplanned_streams
-from tests.harness.database import with_database
-from tests.harness.processes import (
+from scripts.lab.harness.checks import unplanned_streams
+from scripts.lab.harness.database import with_database
+from scripts.lab.harness.processes import (
     WorkerProcess,
     free_port,
     log_problems,

@@ -1,9 +1,9 @@
-"""The frame fuzzer's long run: hostile content headers against a real worker (tests/fuzz).
+"""The frame fuzzer's long run: hostile content headers against a real worker (scripts/lab/fuzz).
 
 ``--examples N`` messages drawn by hypothesis (derandomized: the same N give the same messages;
 ``--seed S`` for another sequence), then the fixed cases of the known triggers (``--no-fixed``
 to skip them), each published with a raw AMQP client to ``<prefix>echo`` of a worker process of
-``tests/apps/fuzz_target.py`` and checked (tests/fuzz/campaign.py): its fate (the handler ran,
+``tests/apps/fuzz_target.py`` and checked (scripts/lab/fuzz/campaign.py): its fate (the handler ran,
 or a dead letter with a reason, or the broker refused it), the worker still on its first broker
 connection and answering a normal task, nothing left unsettled. After a failure a new worker
 starts on fresh queues and the run goes on (``--stop-at-first-failure`` to stop).
@@ -36,10 +36,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.fuzz.campaign import AGENT, Campaign, as_json, summary
-from tests.fuzz.messages import FIXED, Draft, Message, drafts
-from tests.harness.broker import delete_topology, fresh_prefix
-from tests.harness.database import fresh_database_url
+from scripts.lab.fuzz.campaign import AGENT, Campaign, as_json, summary
+from scripts.lab.fuzz.messages import FIXED, Draft, Message, drafts
+from scripts.lab.harness.broker import delete_topology, fresh_prefix
+from scripts.lab.harness.database import fresh_database_url
 from waystation import migrations
 from waystation.settings import Settings
 

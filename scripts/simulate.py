@@ -3,7 +3,7 @@
 A failing seed is shrunk and printed with the command that replays it; ``--trace`` prints a
 replayed run step by step (every append, publish, ack, crash and fault, on the virtual clock,
 with the workers' log lines). ``--mutation NAME`` puts one fixed defect back (see
-tests/simulation/mutations.py) to check that the simulation catches it. Exit status: 0 when
+scripts/lab/simulation/mutations.py) to check that the simulation catches it. Exit status: 0 when
 every seed kept every invariant, 1 otherwise (with ``--mutation``: 0 when a seed failed).
 """
 
@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.simulation.mutations import MUTATIONS, mutated
-from tests.simulation.runner import check, run_seeds, scenario_of
-from tests.simulation.scenario import FAULT_KINDS
-from tests.simulation.world import run
+from scripts.lab.simulation.mutations import MUTATIONS, mutated
+from scripts.lab.simulation.runner import check, run_seeds, scenario_of
+from scripts.lab.simulation.scenario import FAULT_KINDS
+from scripts.lab.simulation.world import run
 
 
 def main() -> int:

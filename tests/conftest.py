@@ -7,12 +7,12 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import pytest_asyncio
 
+from scripts.lab.harness.broker import delete_topology, fresh_prefix
+from scripts.lab.harness.database import fresh_database_url
 from waystation import migrations
 from waystation.events.postgres import PostgresEventStore
 from waystation.settings import Settings
 
-from .harness.broker import delete_topology, fresh_prefix
-from .harness.database import fresh_database_url
 from .support import Capability, Services, reachable, require, started_services
 
 EXAMPLE_AGENTS = ("orchestrator", "researcher")
@@ -22,18 +22,18 @@ SIMULATION_TEST = "test_every_invariant_holds_over_ten_thousand_seeds"
 def pytest_collection_finish(session: pytest.Session) -> None:
     """When the session runs the 10,000-seed simulation among other tests, its seeds start
     now, in one background process at a low priority (CPU the other tests leave idle): the
-    simulation's test then runs only what is left (``tests.simulation.runner.HeadStart``)."""
+    simulation's test then runs only what is left (``scripts.lab.simulation.runner.HeadStart``)."""
     if session.config.option.collectonly:
         return
     names = [item.name for item in session.items]
     if SIMULATION_TEST in names and len(names) > 1:
-        from .simulation.runner import HEAD_START, HeadStart, default_seeds
+        from scripts.lab.simulation.runner import HEAD_START, HeadStart, default_seeds
 
         session.config.stash[HEAD_START] = HeadStart(default_seeds())
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    from .simulation.runner import HEAD_START
+    from scripts.lab.simulation.runner import HEAD_START
 
     head_start = session.config.stash.get(HEAD_START, None)
     if head_start is not None:

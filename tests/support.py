@@ -1,6 +1,6 @@
 """Helpers of the tests alone (pytest): the services of a run, what a test requires beyond
 them, and the scenarios the integration tests play. What the scripts share with the tests
-(processes, queues, databases, clients, checks) is in :mod:`tests.harness`.
+(processes, queues, databases, clients, checks) is in :mod:`scripts.lab.harness`.
 
 Services: ``WAYSTATION_TEST_DATABASE_URL`` / ``WAYSTATION_TEST_AMQP_URL`` when set; else
 testcontainers when a Docker engine answers; else the local services (127.0.0.1).
@@ -34,17 +34,16 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from aiohttp import web
 from sqlalchemy import text
 
+from scripts.lab.harness.broker import busy_queues, unacked_messages_of, wait_for_consumers
+from scripts.lab.harness.clients import RecordingClient
+from scripts.lab.harness.database import PostgresCluster
+from scripts.lab.harness.processes import WorkerProcess
 from waystation.agent import App
 from waystation.events.codec import dumps
 from waystation.events.postgres import PostgresEventStore
 from waystation.runtime import Worker
 from waystation.settings import Settings
 from waystation.wire import Names
-
-from .harness.broker import busy_queues, unacked_messages_of, wait_for_consumers
-from .harness.clients import RecordingClient
-from .harness.database import PostgresCluster
-from .harness.processes import WorkerProcess
 
 LOCAL_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
 LOCAL_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"

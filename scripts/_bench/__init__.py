@@ -4,7 +4,7 @@
 CPU time and resident memory from /proc, database and broker activity counters (the cost per
 parent), what is paused right now, the servers' versions, percentiles, and :func:`run_guarded`
 (a run whose cleanup happens whatever stops it). Worker processes, queues, databases and
-checks are the harness the scripts share with the tests: :mod:`tests.harness`. Standard
+checks are the harness the scripts share with the tests: :mod:`scripts.lab.harness`. Standard
 library and the project's own dependencies only (the Celery side of the bench, which needs the
 ``bench`` extra, is in :mod:`_bench.celery_job`).
 """
@@ -28,7 +28,7 @@ import aio_pika
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from tests.harness.database import with_database
+from scripts.lab.harness.database import with_database
 
 __all__ = [
     "broker_counters",

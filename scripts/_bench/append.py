@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Any
 
-from tests.harness.database import with_database
+from scripts.lab.harness.database import with_database
 from waystation import migrations
 from waystation.events.codec import GENESIS_HASH
 from waystation.events.model import EventMetadata, NewEvent, ResultRecorded, SubtaskClaimed

@@ -9,7 +9,7 @@
 * :func:`probe_health`: one worker's ``/healthz`` (healthy, and messages in its handlers).
 
 What is missing, wrong or duplicated, from the result messages and from the event log, is
-checked by :mod:`tests.harness.checks` (``log_figures``) and here, per kind of task
+checked by :mod:`scripts.lab.harness.checks` (``log_figures``) and here, per kind of task
 (:func:`answer_figures`).
 
 When the broker says no (docs/failures.md):
@@ -41,7 +41,7 @@ import aio_pika
 import aiohttp
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
-from tests.harness.clients import DurableResultCollector
+from scripts.lab.harness.clients import DurableResultCollector
 from waystation.deadletters import DeadLetter
 from waystation.events import canonical
 from waystation.events.codec import dumps, loads
@@ -715,7 +715,7 @@ FILLER_TYPE = "chaos-filler"
 
 
 class ChaosCollector(DurableResultCollector):
-    """:class:`~tests.harness.clients.DurableResultCollector` that can wait until a number of
+    """:class:`~scripts.lab.harness.clients.DurableResultCollector` that can wait until a number of
     tasks have their result, and that also answers for the run's other queues, each on its
     robust channel (restored with its consumers when the connection comes back):
 

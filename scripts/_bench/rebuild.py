@@ -19,7 +19,7 @@ from typing import Any
 
 from sqlalchemy import text
 
-from tests.harness.database import with_database
+from scripts.lab.harness.database import with_database
 from waystation import migrations
 from waystation.events.postgres import PostgresEventStore
 from waystation.events.simulation import simulate

@@ -1,4 +1,4 @@
-"""The frame fuzzer's target (``--app tests.apps.fuzz_target:app``; ``tests/fuzz``).
+"""The frame fuzzer's target (``--app tests.apps.fuzz_target:app``; ``scripts/lab/fuzz``).
 
 ``echo`` completes at once with the fuzz id of its input (``{"fuzz": "<id>"}``) and appends
 ``<id> <pid>`` to ``$FUZZ_RUNS`` (a file) on every run, so that the fuzzer can see that a

@@ -19,6 +19,13 @@ import aio_pika
 import pytest
 import pytest_asyncio
 
+from scripts.lab.harness.broker import (
+    broker_size_limit,
+    close_broker_connections,
+    delete_topology,
+    fresh_prefix,
+    publish_raw_properties,
+)
 from waystation.broker import (
     Broker,
     BrokerUnavailable,
@@ -35,13 +42,6 @@ from waystation.events import OutboxMessage
 from waystation.topology import clear_policy, policy_definition
 from waystation.wire import Names
 
-from ..harness.broker import (
-    broker_size_limit,
-    close_broker_connections,
-    delete_topology,
-    fresh_prefix,
-    publish_raw_properties,
-)
 from ..support import Services, require
 
 AGENT = "agent"

@@ -32,11 +32,11 @@ from alembic.config import Config
 from sqlalchemy import inspect, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from scripts.lab.harness.database import columns_migrated_and_declared, fresh_database_url
 from waystation import migrations
 from waystation.events import StoreUnavailable
 from waystation.events.postgres import create_engine
 
-from ..harness.database import columns_migrated_and_declared, fresh_database_url
 from ..support import Capability, Services, eventually, require
 
 INSTALLED = importlib.util.find_spec("penguiflow") is not None

@@ -15,13 +15,12 @@ import uuid
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from scripts.lab.harness.database import columns_migrated_and_declared
 from waystation.events import StoreUnavailable
 from waystation.events.postgres import PostgresEventStore, create_engine
 from waystation.slots import Limit, Refusal, SlotLeases
 from waystation.slots.memory import MemorySlotLeases
 from waystation.slots.postgres import PostgresSlotLeases, pool_slots_table
-
-from ..harness.database import columns_migrated_and_declared
 
 AGENT = "agent"
 LONG = 600.0

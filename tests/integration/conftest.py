@@ -11,7 +11,8 @@ import pytest
 import pytest_asyncio
 from aio_pika.abc import AbstractChannel
 
-from ..harness.broker import delete_topology
+from scripts.lab.harness.broker import delete_topology
+
 from ..support import Services
 
 

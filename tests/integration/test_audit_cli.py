@@ -14,13 +14,13 @@ import pytest
 import pytest_asyncio
 from sqlalchemy import text
 
+from scripts.lab.harness.database import fresh_database_url
 from waystation import migrations
 from waystation.client import Client
 from waystation.events.postgres import PostgresEventStore
 from waystation.example import app, expected_total
 from waystation.settings import Settings
 
-from ..harness.database import fresh_database_url
 from ..support import Services, running_worker
 from .test_cli import run_cli
 

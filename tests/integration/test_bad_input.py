@@ -20,6 +20,9 @@ from typing import Any
 import pytest
 from aio_pika.abc import AbstractChannel
 
+from scripts.lab.harness.broker import declare_quorum_queue
+from scripts.lab.harness.checks import chain_problems
+from scripts.lab.harness.clients import RecordingClient
 from waystation.agent import App, TaskContext
 from waystation.events import Call, Complete, Outcome, Pause
 from waystation.events.codec import dumps, loads
@@ -30,9 +33,6 @@ from waystation.runtime import Worker
 from waystation.settings import Settings
 from waystation.wire import Names
 
-from ..harness.broker import declare_quorum_queue
-from ..harness.checks import chain_problems
-from ..harness.clients import RecordingClient
 from ..support import (
     counter,
     dead_letters,

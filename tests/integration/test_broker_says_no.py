@@ -22,17 +22,17 @@ import pytest
 import pytest_asyncio
 from aio_pika.abc import AbstractChannel, AbstractQueue
 
-from waystation.events.codec import dumps, loads
-from waystation.events.postgres import PostgresEventStore
-from waystation.settings import Settings
-
-from ..embedded.test_broker_says_no import app_of
-from ..harness.broker import (
+from scripts.lab.harness.broker import (
     broker_size_limit,
     connection_pids,
     publish_raw_properties,
     run_rabbitmqctl,
 )
+from waystation.events.codec import dumps, loads
+from waystation.events.postgres import PostgresEventStore
+from waystation.settings import Settings
+
+from ..embedded.test_broker_says_no import app_of
 from ..support import (
     Services,
     dead_letters,

@@ -21,10 +21,10 @@ import aio_pika
 import pytest
 from aio_pika.abc import AbstractIncomingMessage
 
+from scripts.lab.harness.broker import declare_quorum_queue
+from scripts.lab.harness.processes import ROOT
 from waystation.events.codec import dumps
 
-from ..harness.broker import declare_quorum_queue
-from ..harness.processes import ROOT
 from ..support import Services, eventually, require, serving_cluster
 
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -13,13 +13,13 @@ import click
 import orjson
 import pytest
 
+from scripts.lab.harness.broker import wait_for_consumers
+from scripts.lab.harness.database import fresh_database_url
+from scripts.lab.harness.processes import ROOT, WorkerProcess
 from waystation import migrations
 from waystation.example import expected_total
 from waystation.settings import Settings
 
-from ..harness.broker import wait_for_consumers
-from ..harness.database import fresh_database_url
-from ..harness.processes import ROOT, WorkerProcess
 from ..support import Services
 
 WAYSTATION = str(Path(sys.executable).parent / "waystation")
@@ -145,9 +145,9 @@ async def test_dead_letters_can_be_listed_then_replayed_after_the_cause_is_fixed
     settings: Settings, store: Any
 ) -> None:
     """A task over the size limit is dead-lettered; once the limit is raised, a replay runs it."""
+    from scripts.lab.harness.clients import RecordingClient
     from waystation.example import app
 
-    from ..harness.clients import RecordingClient
     from ..support import eventually, running_worker
 
     strict = settings.model_copy(update={"max_message_bytes": 64})

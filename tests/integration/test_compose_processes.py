@@ -29,14 +29,19 @@ import pytest_asyncio
 import yaml
 from aiohttp import web
 
+from scripts.lab.harness.broker import (
+    fresh_prefix,
+    run_rabbitmqctl,
+    temporary_vhost,
+    wait_for_consumers,
+)
+from scripts.lab.harness.database import fresh_database_url
+from scripts.lab.harness.processes import WorkerProcess, free_port, stop_all, tail, waystation_cli
 from waystation import migrations
 from waystation.wire import Names
 
 from ..conftest import EXAMPLE_AGENTS
 from ..documents import README, ROOT, code_blocks
-from ..harness.broker import fresh_prefix, run_rabbitmqctl, temporary_vhost, wait_for_consumers
-from ..harness.database import fresh_database_url
-from ..harness.processes import WorkerProcess, free_port, stop_all, tail, waystation_cli
 from ..support import Services, management_api, require
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -15,20 +15,20 @@ from pathlib import Path
 
 import pytest
 
-from waystation.events.postgres import PostgresEventStore
-from waystation.example import expected_total
-from waystation.settings import Settings
-from waystation.wire import Names
-
-from ..harness.broker import wait_for_consumers
-from ..harness.checks import (
+from scripts.lab.harness.broker import wait_for_consumers
+from scripts.lab.harness.checks import (
     chain_problems,
     record_outbox_claims,
     result_messages,
     unexplained_repeats,
 )
-from ..harness.clients import RecordingClient
-from ..harness.processes import WorkerProcess, tail
+from scripts.lab.harness.clients import RecordingClient
+from scripts.lab.harness.processes import WorkerProcess, tail
+from waystation.events.postgres import PostgresEventStore
+from waystation.example import expected_total
+from waystation.settings import Settings
+from waystation.wire import Names
+
 from ..support import Services, deployment_quiet, require
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
+from scripts.lab.harness.broker import declare_quorum_queue
+from scripts.lab.harness.checks import chain_problems
+from scripts.lab.harness.clients import RecordingClient
 from waystation.agent import App, TaskContext
 from waystation.events import Call, Complete, ExpiredCall, Outcome, Pause
 from waystation.events.codec import dumps, loads
@@ -20,9 +23,6 @@ from waystation.events.postgres import PostgresEventStore
 from waystation.settings import Settings
 from waystation.wire import Names
 
-from ..harness.broker import declare_quorum_queue
-from ..harness.checks import chain_problems
-from ..harness.clients import RecordingClient
 from ..support import (
     counter,
     eventually,

@@ -13,6 +13,8 @@ import pytest
 from aio_pika.abc import AbstractChannel
 from sqlalchemy import text
 
+from scripts.lab.harness.broker import declare_quorum_queue, delete_topology, fresh_prefix
+from scripts.lab.harness.database import fresh_database_url
 from waystation import migrations
 from waystation.events import GENESIS_HASH, NewEvent, OutboxMessage
 from waystation.events.postgres import PostgresEventStore
@@ -20,8 +22,6 @@ from waystation.example import app as example_app
 from waystation.settings import Settings
 
 from ..conftest import EXAMPLE_AGENTS
-from ..harness.broker import declare_quorum_queue, delete_topology, fresh_prefix
-from ..harness.database import fresh_database_url
 from ..support import Services, count_rows, eventually, running_worker, take
 
 pytestmark = pytest.mark.integration

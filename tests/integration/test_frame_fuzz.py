@@ -1,6 +1,6 @@
 """Hostile content headers against the real RabbitMQ and a real worker process (G9).
 
-A raw AMQP client (``tests/fuzz``) publishes what client libraries refuse to write: properties
+A raw AMQP client (``scripts/lab/fuzz``) publishes what client libraries refuse to write: properties
 and header tables malformed in every way AMQP lets them be (short strings that are not UTF-8,
 tables nested thousands deep, unknown type tags, lengths that lie, flag words bent), to
 ``<prefix>echo`` of a worker process of ``tests/apps/fuzz_target.py``. After each message:
@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from scripts.lab.fuzz.campaign import AGENT, Campaign, Outcome, report_failures, summary
+from scripts.lab.fuzz.messages import FIXED, drafts
+from scripts.lab.harness.database import fresh_database_url
 from waystation import migrations
 from waystation.settings import Settings
 
-from ..fuzz.campaign import AGENT, Campaign, Outcome, report_failures, summary
-from ..fuzz.messages import FIXED, drafts
-from ..harness.database import fresh_database_url
 from ..support import Services, require
 
 pytestmark = pytest.mark.integration

@@ -20,6 +20,8 @@ import pytest
 from aio_pika.abc import AbstractChannel
 from pydantic import BaseModel, Field
 
+from scripts.lab.harness.broker import wait_for_consumers
+from scripts.lab.harness.clients import RecordingClient
 from waystation.agent import App, TaskContext
 from waystation.events import Call, Complete, Outcome, Pause
 from waystation.events.codec import loads
@@ -27,8 +29,6 @@ from waystation.events.postgres import PostgresEventStore
 from waystation.settings import Settings
 from waystation.wire import Names
 
-from ..harness.broker import wait_for_consumers
-from ..harness.clients import RecordingClient
 from ..support import counter, dead_letters, eventually, running_worker, stream_types
 
 pytestmark = pytest.mark.integration

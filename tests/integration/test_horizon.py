@@ -24,14 +24,14 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
+from scripts.lab.harness.database import PostgresCluster, fresh_database_url
+from scripts.lab.harness.processes import WorkerProcess, free_port, metrics_env
 from waystation import migrations
 from waystation.events import GENESIS_HASH, NewEvent, Position, RecordedEvent
 from waystation.events.codec import loads
 from waystation.events.postgres import PostgresEventStore
 from waystation.settings import Settings
 
-from ..harness.database import PostgresCluster, fresh_database_url
-from ..harness.processes import WorkerProcess, free_port, metrics_env
 from ..support import Services, eventually, serving_cluster
 from .test_cli import run_cli
 from .test_observability import get

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 
+from scripts.lab.harness.broker import close_broker_connections, wait_for_consumers
+from scripts.lab.harness.checks import fanout_problems, record_outbox_claims, result_messages
+from scripts.lab.harness.clients import RecordingClient
+from scripts.lab.harness.processes import WorkerProcess, worker_logs
 from waystation.events.postgres import PostgresEventStore
 from waystation.settings import Settings
 from waystation.wire import Names
 
-from ..harness.broker import close_broker_connections, wait_for_consumers
-from ..harness.checks import fanout_problems, record_outbox_claims, result_messages
-from ..harness.clients import RecordingClient
-from ..harness.processes import WorkerProcess, worker_logs
 from ..support import (
     Services,
     eventually,

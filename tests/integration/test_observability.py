@@ -14,13 +14,19 @@ import pytest
 from aio_pika import Message
 from prometheus_client.parser import text_string_to_metric_families
 
+from scripts.lab.harness.processes import (
+    WorkerProcess,
+    free_port,
+    metrics_env,
+    stats_env,
+    worker_counters,
+)
 from waystation.client import Client
 from waystation.events.postgres import PostgresEventStore
 from waystation.example import expected_total
 from waystation.settings import Settings
 from waystation.wire import Names
 
-from ..harness.processes import WorkerProcess, free_port, metrics_env, stats_env, worker_counters
 from ..support import eventually, start_example_workers
 from .test_cli import run_cli
 

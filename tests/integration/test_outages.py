@@ -37,13 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from waystation import migrations
-from waystation.events.postgres import PostgresEventStore
-from waystation.settings import Settings
-from waystation.topology import clear_policy
-from waystation.wire import Names
-
-from ..harness.broker import (
+from scripts.lab.harness.broker import (
     apply_queue_policy,
     broker_connections,
     close_all_broker_connections,
@@ -51,10 +45,22 @@ from ..harness.broker import (
     temporary_vhost,
     wait_for_consumers,
 )
-from ..harness.checks import fanout_problems, record_outbox_claims, result_messages
-from ..harness.clients import DurableResultCollector
-from ..harness.database import PostgresCluster
-from ..harness.processes import WorkerProcess, log_lines, stats_env, worker_counters, worker_logs
+from scripts.lab.harness.checks import fanout_problems, record_outbox_claims, result_messages
+from scripts.lab.harness.clients import DurableResultCollector
+from scripts.lab.harness.database import PostgresCluster
+from scripts.lab.harness.processes import (
+    WorkerProcess,
+    log_lines,
+    stats_env,
+    worker_counters,
+    worker_logs,
+)
+from waystation import migrations
+from waystation.events.postgres import PostgresEventStore
+from waystation.settings import Settings
+from waystation.topology import clear_policy
+from waystation.wire import Names
+
 from ..support import (
     Services,
     eventually,

@@ -17,12 +17,18 @@ from pathlib import Path
 import pytest
 from aio_pika.abc import AbstractChannel
 
+from scripts.lab.harness.clients import RecordingClient
+from scripts.lab.harness.processes import (
+    ROOT,
+    WorkerProcess,
+    app_workers,
+    worker_environment,
+    worker_logs,
+)
 from waystation.events.postgres import PostgresEventStore
 from waystation.settings import Settings
 from waystation.wire import Names
 
-from ..harness.clients import RecordingClient
-from ..harness.processes import ROOT, WorkerProcess, app_workers, worker_environment, worker_logs
 from ..support import dead_letters, start_workers, stream_types
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

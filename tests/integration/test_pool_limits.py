@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from scripts.lab.harness.clients import RecordingClient
+from scripts.lab.harness.processes import WorkerProcess, app_workers, log_lines, worker_logs
 from waystation.events.postgres import PostgresEventStore
 from waystation.settings import Settings
 from waystation.wire import Names
 
-from ..harness.clients import RecordingClient
-from ..harness.processes import WorkerProcess, app_workers, log_lines, worker_logs
 from ..support import eventually, start_workers, stream_types
 from .test_policies import waystation
 

@@ -23,6 +23,8 @@ import pytest_asyncio
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from scripts.lab.harness.database import PostgresCluster, fresh_database_url
+from scripts.lab.harness.processes import WorkerProcess, log_lines, worker_logs
 from waystation import migrations
 from waystation.events import (
     RecordedEvent,
@@ -51,8 +53,6 @@ from waystation.projections.postgres import (
 )
 from waystation.settings import Settings
 
-from ..harness.database import PostgresCluster, fresh_database_url
-from ..harness.processes import WorkerProcess, log_lines, worker_logs
 from ..support import Services, eventually, serving_cluster
 from .test_cli import run_cli
 

@@ -17,12 +17,12 @@ import orjson
 import pytest
 import pytest_asyncio
 
+from scripts.lab.harness.broker import wait_for_consumers
+from scripts.lab.harness.processes import WorkerProcess, tail, worker_environment
 from waystation.settings import Settings
 from waystation.wire import Names
 
 from ..documents import README, ROOT, block_after, code_blocks
-from ..harness.broker import wait_for_consumers
-from ..harness.processes import WorkerProcess, tail, worker_environment
 from ..support import Capability, require
 
 pytestmark = pytest.mark.integration

@@ -21,14 +21,14 @@ import orjson
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractQueue
 
+from scripts.lab.harness.broker import declare_quorum_queue
+from scripts.lab.harness.clients import RecordingClient
 from waystation.agent import App, TaskContext
 from waystation.events import Call, Complete, Outcome, Pause
 from waystation.events.postgres import PostgresEventStore
 from waystation.settings import Settings
 from waystation.wire import Names
 
-from ..harness.broker import declare_quorum_queue
-from ..harness.clients import RecordingClient
 from ..support import counter, dead_letters, eventually, publish_reply, running_worker, take
 from .test_cli import run_cli
 

@@ -10,12 +10,12 @@ import uuid
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractQueue
 
+from scripts.lab.harness.clients import RecordingClient
 from waystation.events import NewEvent
 from waystation.events.postgres import PostgresEventStore
 from waystation.metrics import Metrics
 from waystation.settings import Settings
 
-from ..harness.clients import RecordingClient
 from ..support import eventually, publish_reply, running_worker, take
 from .test_cancellation import cancel_app, ghost
 

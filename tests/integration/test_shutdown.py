@@ -21,14 +21,20 @@ from pathlib import Path
 
 import pytest
 
+from scripts.lab.harness.broker import consumer_count, queue_depth, unacked_messages_of
+from scripts.lab.harness.checks import fanout_problems, record_outbox_claims, result_messages
+from scripts.lab.harness.clients import DurableResultCollector
+from scripts.lab.harness.processes import (
+    WorkerProcess,
+    log_lines,
+    stats_env,
+    worker_counters,
+    worker_logs,
+)
 from waystation.events.postgres import PostgresEventStore
 from waystation.settings import Settings
 from waystation.wire import Names
 
-from ..harness.broker import consumer_count, queue_depth, unacked_messages_of
-from ..harness.checks import fanout_problems, record_outbox_claims, result_messages
-from ..harness.clients import DurableResultCollector
-from ..harness.processes import WorkerProcess, log_lines, stats_env, worker_counters, worker_logs
 from ..support import (
     Services,
     eventually,

@@ -24,6 +24,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from scripts.lab.harness.database import PostgresCluster
 from waystation.events import (
     GENESIS_HASH,
     IntegrityError,
@@ -33,7 +34,6 @@ from waystation.events import (
 )
 from waystation.events.postgres import PostgresEventStore, _translate
 
-from ..harness.database import PostgresCluster
 from ..support import eventually, serving_cluster
 
 pytestmark = pytest.mark.integration

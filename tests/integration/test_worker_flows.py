@@ -17,6 +17,14 @@ import aio_pika
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
+from scripts.lab.harness.broker import declare_quorum_queue
+from scripts.lab.harness.checks import (
+    chain_problems,
+    record_outbox_claims,
+    result_messages,
+    unexplained_repeats,
+)
+from scripts.lab.harness.clients import RecordingClient
 from waystation.agent import App, TaskContext
 from waystation.events import Call, Complete, Outcome, Pause, apply_delta, canonical, parse
 from waystation.events.codec import dumps, loads
@@ -26,14 +34,6 @@ from waystation.example import expected_total
 from waystation.settings import Settings
 from waystation.wire import HEADER_ROOT, Names
 
-from ..harness.broker import declare_quorum_queue
-from ..harness.checks import (
-    chain_problems,
-    record_outbox_claims,
-    result_messages,
-    unexplained_repeats,
-)
-from ..harness.clients import RecordingClient
 from ..support import (
     count_rows,
     eventually,

@@ -1,4 +1,4 @@
-"""The invariants that hold the simulated world against the log (``tests.simulation.reality``)
+"""The invariants that hold the simulated world against the log (``scripts.lab.simulation.reality``)
 can fail: each is fed a real run's observation with one thing changed, as a defect would leave
 it, and says so; the unchanged runs pass. (The mutations catch them too, in whole runs.)"""
 
@@ -12,14 +12,13 @@ from typing import Any
 
 import pytest
 
+from scripts.lab.simulation import reality
+from scripts.lab.simulation.faults import Chronicle
+from scripts.lab.simulation.scenario import Scenario
+from scripts.lab.simulation.world import Observed, run
 from waystation.brokers.memory import StoredMessage
 from waystation.events import RecordedEvent
 from waystation.wire import HEADER_QUEUE, HEADER_REASON
-
-from . import reality
-from .faults import Chronicle
-from .scenario import Scenario
-from .world import Observed, run
 
 SEEDS = range(80)
 

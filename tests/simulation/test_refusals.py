@@ -1,7 +1,8 @@
-"""The invariants of the broker saying no (``tests.simulation.refusals``) can fail: each is fed a
-real run's observation with one thing changed, as a defect would leave it, and says so; the
-unchanged runs pass. (The mutations ``a-relay-stalls-on-a-refusal``, ``c-copies-unsanitized``
-and ``e-resume-in-place-ignores-the-policy`` catch their defects in whole runs.)"""
+"""The invariants of the broker saying no (``scripts.lab.simulation.refusals``) can fail:
+each is fed a real run's observation with one thing changed, as a defect would leave it, and
+says so; the unchanged runs pass. (The mutations ``a-relay-stalls-on-a-refusal``,
+``c-copies-unsanitized`` and ``e-resume-in-place-ignores-the-policy`` catch their defects in
+whole runs.)"""
 
 from __future__ import annotations
 
@@ -10,13 +11,12 @@ import functools
 from collections import defaultdict
 from collections.abc import Callable
 
+from scripts.lab.simulation import refusals
+from scripts.lab.simulation.faults import Refused
+from scripts.lab.simulation.reality import hostile_tag
+from scripts.lab.simulation.scenario import Scenario
+from scripts.lab.simulation.world import Observed, run
 from waystation.events import RecordedEvent
-
-from . import refusals
-from .faults import Refused
-from .reality import hostile_tag
-from .scenario import Scenario
-from .world import Observed, run
 
 SEEDS = range(200)
 

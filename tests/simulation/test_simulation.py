@@ -1,13 +1,13 @@
 """The deterministic simulation of the real worker (issue 11, section 3).
 
 * Ten thousand seeds (``WAYSTATION_SIM_SEEDS``) in parallel processes: every invariant of
-  ``tests.simulation.invariants`` holds in every run. In a whole test session they start at
+  ``scripts.lab.simulation.invariants`` holds in every run. In a whole test session they start at
   collection, in one background process at a low priority, and this test runs what is left.
   A failure prints the command that replays its (shrunk) scenario step by step.
 * The same seed gives the same history, byte for byte.
-* Each defect of section 4 that the simulation covers, put back (``tests.simulation.mutations``),
-  and each defect the world-against-log invariants exist for (``tests.simulation.reality``) is
-  caught within a bounded number of seeds.
+* Each defect of section 4 that the simulation covers, put back
+  (``scripts.lab.simulation.mutations``), and each defect the world-against-log invariants exist
+  for (``scripts.lab.simulation.reality``) is caught within a bounded number of seeds.
 """
 
 from __future__ import annotations
@@ -17,11 +17,18 @@ import time
 
 import pytest
 
-from .loop import BUSY, EPOCH, Stalled, VirtualLoop
-from .mutations import MUTATIONS
-from .runner import HEAD_START, HeadStart, check, default_seeds, history, run_seeds
-from .scenario import Scenario
-from .world import run
+from scripts.lab.simulation.loop import BUSY, EPOCH, Stalled, VirtualLoop
+from scripts.lab.simulation.mutations import MUTATIONS
+from scripts.lab.simulation.runner import (
+    HEAD_START,
+    HeadStart,
+    check,
+    default_seeds,
+    history,
+    run_seeds,
+)
+from scripts.lab.simulation.scenario import Scenario
+from scripts.lab.simulation.world import run
 
 SEEDS = len(default_seeds())
 MUTATION_SEEDS = 6000

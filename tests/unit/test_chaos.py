@@ -1,6 +1,6 @@
 """scripts/chaos's pure parts: the fault plan, the special tasks and the hostile messages, and
 the checks of results, dead letters and of the log (some shared with the tests:
-tests/harness/checks.py), each shown to catch what it is there to catch (no services)."""
+scripts/lab/harness/checks.py), each shown to catch what it is there to catch (no services)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ from pathlib import Path
 import pamqp.header
 import pytest
 
+from scripts.lab.harness.checks import LogRow, log_figures, result_figures
 from waystation.brokers.metadata import HEADER_UNDECODABLE, guard_content_header
 from waystation.deadletters import DeadLetter
 from waystation.events.codec import dumps, loads
-
-from ..harness.checks import LogRow, log_figures, result_figures
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))

@@ -3,6 +3,7 @@ import loads no broker or database driver, and nothing of the repository under i
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -75,6 +76,35 @@ def test_no_module_of_waystation_is_loaded_under_an_old_top_level_name() -> None
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
     ).stdout.strip()
     assert shown == ""
+
+
+def _imported_modules(source: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source.read_text(), filename=str(source))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_scripts_import_nothing_from_the_tests() -> None:
+    """The scripts and the tests share ``scripts/lab``; the dependency runs one way only."""
+    sources = sorted((ROOT / "scripts").rglob("*.py"))
+    assert len(sources) > 20, sources
+    reaching = {
+        str(source.relative_to(ROOT)): sorted(
+            name for name in _imported_modules(source) if name.split(".")[0] == "tests"
+        )
+        for source in sources
+    }
+    assert {path: names for path, names in reaching.items() if names} == {}
+
+
+def test_the_import_walker_sees_an_import_from_the_tests(tmp_path: Path) -> None:
+    source = tmp_path / "script.py"
+    source.write_text("import os\nfrom tests.harness import broker\nfrom . import sibling\n")
+    assert _imported_modules(source) == {"os", "tests.harness"}
 
 
 @pytest.mark.slow

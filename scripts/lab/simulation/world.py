@@ -1,10 +1,10 @@
 """One simulated run: real workers, a publisher, a canceller and a plain AMQP peer, under faults.
 
-:func:`run` builds the world a :class:`~tests.simulation.scenario.Scenario` describes on a
-:class:`~tests.simulation.loop.VirtualLoop`, lets it go until every task has answered and nothing
+:func:`run` builds the world a :class:`~.scenario.Scenario` describes on a
+:class:`~.loop.VirtualLoop`, lets it go until every task has answered and nothing
 moves any more (or until a bound of virtual time), and returns what was observed:
 the log, what each publisher received, what the broker kept and dead-lettered, and what a
-projection following the log built along the way. ``tests.simulation.invariants`` judges it.
+projection following the log built along the way. ``.invariants`` judges it.
 """
 
 from __future__ import annotations

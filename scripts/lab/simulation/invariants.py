@@ -19,7 +19,7 @@
 * the paused-tasks projection built along the way from batches of the log equals the one built
   from the whole log at once, and what folding each stream says;
 * what happened in the world (the broker's ledger, every commit, publish and ack in order) is
-  what the log says: ``tests.simulation.reality``.
+  what the log says: ``.reality``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """What happened in the simulated world, held against what the log says.
 
-``tests.simulation.invariants`` checks that the log is well formed and that every answer agrees
+``.invariants`` checks that the log is well formed and that every answer agrees
 with it. That cannot see a reply lost between the broker and the log: its call then times out,
 and a timeout is a legitimate entry. These invariants read the world's own record instead: the
 broker's ledger (every message it took, with its fate) and the fault layer's chronicle (every
 commit, every publish of a worker that reached the broker, every ack a worker sent, numbered in
-the order they happened: ``tests.simulation.faults.Chronicle``). :func:`problems` requires:
+the order they happened: ``.faults.Chronicle``). :func:`problems` requires:
 
 1. every reply the broker took ends in the log by its message id, as the claim of its call or as
    an ignored reply (``ReplyIgnored``), whenever it came: before its call's deadline it claims,
@@ -490,7 +490,7 @@ that is not UTF-8, which decodes, on a body cut short) its body is not JSON."""
 
 
 def hostile_tag(body: bytes) -> str | None:
-    """The tag of a hostile publisher's message (``tests.simulation.hostile``), from its body,
+    """The tag of a hostile publisher's message (``.hostile``), from its body,
     JSON or cut short; None for any other message."""
     marker = b'{"hostile": "'
     if not body.startswith(marker):

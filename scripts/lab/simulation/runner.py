@@ -1,6 +1,6 @@
 """Running many seeds, in parallel processes; shrinking a failing scenario; replaying one.
 
-A seed fails when :func:`~tests.simulation.invariants.problems` finds anything (or the run
+A seed fails when :func:`~.invariants.problems` finds anything (or the run
 raises). A failure is shrunk (tasks dropped one by one, fault kinds turned off one by one, as long
 as it still fails) and reported with the command that replays it with a step-by-step trace.
 """

@@ -10,7 +10,7 @@ call it still attempts fails, so nothing it does after the crash reaches the wor
 
 A :class:`Chronicle` notes, in one order, what the processes did that the world can see: every
 append that committed, every publish that reached the broker, every ack a worker sent. The
-invariants hold the log against it (``tests.simulation.reality``).
+invariants hold the log against it (``.reality``).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from typing import IO
 from waystation.events.codec import loads
 from waystation.settings import Settings
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 """The repository: the working directory of every process, and first on its PYTHONPATH."""
 
 

@@ -1,7 +1,7 @@
 """What must hold when the broker says no, and publishers send what they should not (issue 28).
 
-:func:`problems` requires, beside ``tests.simulation.invariants`` and
-``tests.simulation.reality``:
+:func:`problems` requires, beside ``.invariants`` and
+``.reality``:
 
 1. no relay stalls: every message a committed event implies (a peer request, a resume, a
    result, a cancel) is tried (published or refused) within :data:`RELAY_BOUND` seconds of its
@@ -12,7 +12,7 @@
    answers to a publisher's full queue among them: ``refused``, or ``too-large`` for a result
    over the broker's limit, whose publisher is told instead); a copy of a delivery that a
    worker sends back or dead-letters is tried in place and, refused, the delivery is settled
-   another way (``tests.simulation.reality`` checks each ack's effect);
+   another way (``.reality`` checks each ack's effect);
 3. every message a hostile publisher sent ends as a dead letter with its reason
    (``reality.HOSTILE_REASONS``), found by the tag in its body; none is lost or left unsettled
    (the leftovers check).

@@ -1,5 +1,5 @@
 """Each defect of issue 11 put back, one at a time, to check that the simulation catches it; and
-defects only the world-against-log invariants (``tests.simulation.reality``) can see: a reply
+defects only the world-against-log invariants (``.reality``) can see: a reply
 lost between the broker and the log, an ack before its effect, requests published before their
 pause, cancels naming the wrong calls.
 
