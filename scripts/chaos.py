@@ -122,7 +122,7 @@ from scripts.lab.harness.processes import (
     waystation_cli,
 )
 from waystation import migrations
-from waystation.deadletters import DeadLetter, browse
+from waystation.brokers.amqp.deadletters import DeadLetter, browse
 from waystation.events.codec import loads
 from waystation.example import expected_total
 from waystation.projections.postgres import projection_status

@@ -68,7 +68,8 @@ from scripts.lab.harness.processes import (
     stop_all,
     waystation_cli,
 )
-from waystation import migrations, topology
+from waystation import migrations
+from waystation.brokers.amqp import topology
 from waystation.client import Client
 from waystation.events import GENESIS_HASH, chain_hash
 from waystation.events.postgres import PostgresEventStore

@@ -41,9 +41,9 @@ from scripts.lab.harness.processes import WorkerProcess
 from waystation.agent import App
 from waystation.events.codec import dumps
 from waystation.events.postgres import PostgresEventStore
-from waystation.runtime import Worker
+from waystation.protocol.wire import Names
+from waystation.runtime.worker import Worker
 from waystation.settings import Settings
-from waystation.wire import Names
 
 LOCAL_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
 LOCAL_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"

@@ -14,17 +14,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from waystation.agent import AgentSpec, App, Handler, TaskContext
 from waystation.events import Call, CallResult, Complete, Outcome, Pause
-
-from .agent import AgentSpec, App, Handler, TaskContext
-from .policies import Backoff, Permanent, PolicyError, Rate, TimeLimitExceeded
-from .settings import Settings
+from waystation.policies import Backoff, Permanent, PolicyError, Rate, TimeLimitExceeded
+from waystation.settings import Settings
 
 if TYPE_CHECKING:
-    from .client import Client, TaskResult
-    from .runtime import Worker
+    from waystation.client import Client, TaskResult
+    from waystation.runtime.worker import Worker
 
-_LAZY = {"Client": ".client", "TaskResult": ".client", "Worker": ".runtime"}
+_LAZY = {"Client": ".client", "TaskResult": ".client", "Worker": ".runtime.worker"}
 """Names whose modules load the drivers: imported on first use."""
 
 

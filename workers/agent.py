@@ -37,8 +37,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from waystation.events import CallResult, Outcome
-
-from .policies import (
+from waystation.policies import (
     Backoff,
     PolicyError,
     Rate,
@@ -98,9 +97,11 @@ class AgentSpec:
     time_limit: float | None = None
     """Seconds one run may take; a longer run is cancelled and counts as a failed attempt."""
     concurrency: int | None = None
-    """Most runs of the handler at once across the pool (None: no limit; ``waystation.limits``)."""
+    """Most runs of the handler at once across the pool (None: no limit;
+    ``waystation.runtime.limits``)."""
     rate: Rate | None = None
-    """Most starts of a run per period across the pool (None: no limit; ``waystation.limits``)."""
+    """Most starts of a run per period across the pool (None: no limit;
+    ``waystation.runtime.limits``)."""
 
     @property
     def limited(self) -> bool:

@@ -1,7 +1,7 @@
 """A publisher client: submit tasks over AMQP and await their results.
 
-It speaks the plain wire format of ``waystation.wire``, the same any other language would: it
-publishes to the agent's queue with a ``message_id`` (the task id), a ``correlation_id`` and a
+It speaks the plain wire format of ``waystation.protocol.wire``, the same any other language would:
+it publishes to the agent's queue with a ``message_id`` (the task id), a ``correlation_id`` and a
 ``reply_to`` queue of its own (``<prefix>client.<uuid>``, which survives a dropped connection),
 and matches results by correlation id. Results are delivered at
 least once; the client keeps the first per task and counts the rest in ``duplicates``.
@@ -13,7 +13,7 @@ once every ``result()`` call waiting for it has timed out or been cancelled.
 
 A task it did not submit (or whose result it lost) can be asked for too: ``result(task_id,
 agent=...)`` and ``lookup(agent, task_id)`` send a ``query`` message, which a worker answers from
-the log (``waystation.flows.query``); the client itself has no database.
+the log (``waystation.runtime.flows.query``); the client itself has no database.
 """
 
 from __future__ import annotations
@@ -34,10 +34,16 @@ from aio_pika.abc import (
 )
 from aiormq.abc import FieldValue
 
+from waystation.brokers.amqp.transport import guarded_connection
 from waystation.events.codec import dumps, loads
-
-from .brokers.transport import guarded_connection
-from .wire import CONTENT_TYPE, HEADER_TRACE, TYPE_CANCEL, TYPE_QUERY, TYPE_TASK, Names
+from waystation.protocol.wire import (
+    CONTENT_TYPE,
+    HEADER_TRACE,
+    TYPE_CANCEL,
+    TYPE_QUERY,
+    TYPE_TASK,
+    Names,
+)
 
 __all__ = ["Client", "TaskLookup", "TaskResult"]
 
@@ -110,7 +116,7 @@ class Client:
 
     async def connect(self) -> None:
         # its frames read defensively: a result with metadata that cannot be decoded costs
-        # that result, not the connection (waystation.brokers.transport)
+        # that result, not the connection (waystation.brokers.amqp.transport)
         self._connection = await guarded_connection(
             self.amqp_url, client_properties={"connection_name": "waystation client"}
         )

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
+from waystation.agent import App, TaskContext
 from waystation.events import Call, Complete, Outcome, Pause
-
-from .agent import App, TaskContext
 
 __all__ = ["app", "expected_total"]
 

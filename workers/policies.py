@@ -22,9 +22,9 @@ Two policies limit an agent across the whole pool, however many workers serve it
 ``concurrency`` is the most runs of the agent's handler at once in the pool, ``rate`` the most
 starts of a run in any window of ``per`` seconds (a first run, a retry or a resumed run each
 start one). Neither is counted per worker: both are slots in PostgreSQL, taken before a run
-starts (``waystation.limits``). A task that finds no free slot is not held by the worker: it waits
-in the broker, as a retry does, and tries again; waiting is not a failed attempt. Both are off by
-default, and an agent without them costs nothing more.
+starts (``waystation.runtime.limits``). A task that finds no free slot is not held by the worker: it
+waits in the broker, as a retry does, and tries again; waiting is not a failed attempt. Both are off
+by default, and an agent without them costs nothing more.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def check_time_limit(time_limit: float | None) -> None:
 
 MAX_SLOTS = 10_000
 """The largest ``concurrency``, and the most starts a ``rate`` allows per period: each is a row
-of the slot table (``waystation.limits``)."""
+of the slot table (``waystation.runtime.limits``)."""
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _RATE = re.compile(r"\s*(\d+)\s*/\s*(\d*\.?\d*)\s*([smhd])\s*")

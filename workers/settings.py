@@ -46,14 +46,14 @@ class Settings(BaseSettings):
     """Largest agent state (canonical JSON) a pause may leave: a ``Pause(update=...)`` past it
     fails the task (``StateTooLarge``), without retries."""
     reply_shards: int = Field(default=4, ge=0, le=64)
-    """Reply shards per agent (``waystation.routing``): a pause's replies come back to the worker
-    that recorded it, which then decides from its own copy of the stream, without conflicts.
+    """Reply shards per agent (``waystation.runtime.routing``): a pause's replies come back to the
+    worker that recorded it, which then decides from its own copy of the stream, without conflicts.
     Use at least as many as workers serving an agent; 0 turns routing off. Lower it only when
     no task is paused: replies waiting in a shard past the new count are not consumed."""
     fast_frames: bool = True
     """The worker's own AMQP connection encodes and decodes its hot path's frames with
-    Waystation's codec (``waystation.brokers.frames``: the same bytes as pamqp's, in a fraction of
-    the time); no other connection of the process does. Off: pamqp's own codec."""
+    Waystation's codec (``waystation.brokers.amqp.frames``: the same bytes as pamqp's, in a fraction
+    of the time); no other connection of the process does. Off: pamqp's own codec."""
     resume_in_place: bool = True
     """The worker that records a pause's last reply runs the resumed handler at once and appends
     its outcome with that reply (no resume message; docs/performance.md). Off: every resume
@@ -67,7 +67,8 @@ class Settings(BaseSettings):
     ``delivery-limit``, which dead-letters a message that keeps killing its workers."""
     slot_lease_seconds: float = Field(default=30.0, gt=0, le=3600)
     """How long a run's concurrency slot stays taken without its worker renewing it (every third
-    of this): a worker that dies gives its slots back within this time (``waystation.limits``)."""
+    of this): a worker that dies gives its slots back within this time
+    (``waystation.runtime.limits``)."""
     limit_wait_max: float = Field(default=2.0, ge=0.1, le=3600)
     """Longest wait in the broker between two tries of a task whose agent's concurrency is full
     (its waits start at 0.1 s and double), in seconds."""
@@ -118,6 +119,6 @@ class Settings(BaseSettings):
     stats_file: str | None = None
     """Where a worker writes its checkpoint latencies and counters when it stops (benchmarks)."""
     fault_point: str | None = None
-    """Test hook: SIGKILL the worker at this named step (see workers/faults.py)."""
+    """Test hook: SIGKILL the worker at this named step (see workers/runtime/faults.py)."""
     fault_after: int = Field(default=1, ge=1)
     """Test hook: kill on this hit of ``fault_point``."""

@@ -22,19 +22,18 @@ import asyncio
 import uuid
 from typing import Any
 
+from waystation.agent import App
+from waystation.brokers.memory import InMemoryBroker, InMemoryConnection, StoredMessage
+from waystation.brokers.port import Delivery
+from waystation.client import TaskResult
 from waystation.events import OutboxMessage
 from waystation.events.codec import dumps, loads
 from waystation.events.memory import InMemoryEventStore
-
-from .agent import App
-from .broker import Delivery
-from .brokers.memory import InMemoryBroker, InMemoryConnection, StoredMessage
-from .client import TaskResult
-from .runtime import Worker
-from .settings import Settings
-from .settle import crash_limit
-from .slots.memory import MemorySlotLeases
-from .wire import CONTENT_TYPE, TYPE_TASK, Names
+from waystation.protocol.wire import CONTENT_TYPE, TYPE_TASK, Names
+from waystation.runtime.settle import crash_limit
+from waystation.runtime.worker import Worker
+from waystation.settings import Settings
+from waystation.slots.memory import MemorySlotLeases
 
 __all__ = ["InMemoryPool"]
 

@@ -87,7 +87,7 @@ _HEX32 = re.compile(r"[0-9a-f]{32}")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}")
 
 
-# ---- ids: pure functions, used by waystation.wire whether or not tracing is on
+# ---- ids: pure functions, used by waystation.protocol.wire whether or not tracing is on
 # --------------------
 
 

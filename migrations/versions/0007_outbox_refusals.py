@@ -2,7 +2,7 @@
 
 A refused publish (a full queue that rejects publishes, a nack) is retried with backoff by the
 relays; the count decides the backoff, and when to give up and dead-letter the message instead
-(``waystation.outbox``). Rows written before this revision start at no refusal.
+(``waystation.runtime.outbox``). Rows written before this revision start at no refusal.
 
 Revision ID: 0007
 Revises: 0006

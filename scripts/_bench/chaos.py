@@ -42,10 +42,10 @@ import aiohttp
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
 from scripts.lab.harness.clients import DurableResultCollector
-from waystation.deadletters import DeadLetter
+from waystation.brokers.amqp.deadletters import DeadLetter
 from waystation.events import canonical
 from waystation.events.codec import dumps, loads
-from waystation.wire import CONTENT_TYPE, TYPE_TASK
+from waystation.protocol.wire import CONTENT_TYPE, TYPE_TASK
 
 __all__ = [
     "FAULT_KINDS",

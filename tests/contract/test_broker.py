@@ -1,4 +1,4 @@
-"""The broker port's contract (``workers/broker.py``), run against every backend.
+"""The broker port's contract (``workers/brokers/port.py``), run against every backend.
 
 :class:`BrokerContract` holds the suite; each backend's class provides ``backend``: how to open a
 connection, how to make one drop (it comes back by itself), and the deployment's names. The
@@ -26,7 +26,12 @@ from scripts.lab.harness.broker import (
     fresh_prefix,
     publish_raw_properties,
 )
-from waystation.broker import (
+from waystation.brokers.amqp import frames
+from waystation.brokers.amqp.broker import AmqpBroker
+from waystation.brokers.amqp.topology import clear_policy, policy_definition
+from waystation.brokers.memory import InMemoryBroker, InMemoryConnection
+from waystation.brokers.metadata import HEADER_RAW, HEADER_UNDECODABLE
+from waystation.brokers.port import (
     Broker,
     BrokerUnavailable,
     Delivery,
@@ -34,13 +39,8 @@ from waystation.broker import (
     Unroutable,
     Unsendable,
 )
-from waystation.brokers import frames
-from waystation.brokers.amqp import AmqpBroker
-from waystation.brokers.memory import InMemoryBroker, InMemoryConnection
-from waystation.brokers.metadata import HEADER_RAW, HEADER_UNDECODABLE
 from waystation.events import OutboxMessage
-from waystation.topology import clear_policy, policy_definition
-from waystation.wire import Names
+from waystation.protocol.wire import Names
 
 from ..support import Services, require
 
@@ -117,7 +117,7 @@ class Backend:
 
 
 class BrokerContract:
-    """The behaviour every backend of :class:`~waystation.broker.Broker` shares."""
+    """The behaviour every backend of :class:`~waystation.brokers.port.Broker` shares."""
 
     @pytest.fixture
     def backend(self) -> Backend:
@@ -149,8 +149,8 @@ class BrokerContract:
     async def test_deliveries_go_to_the_highest_priority_consumer_with_room(
         self, backend: Backend
     ) -> None:
-        """Reply routing rests on this (``waystation.routing``): a lower consumer gets a delivery
-        only while every higher one holds its prefetch."""
+        """Reply routing rests on this (``waystation.runtime.routing``): a lower consumer gets a
+        delivery only while every higher one holds its prefetch."""
         low_broker, high_broker = await backend.open(), await backend.open()
         await low_broker.declare(backend.names, [AGENT])
         low, high = Inbox(), Inbox()
@@ -624,8 +624,8 @@ class TestAmqpBroker(BrokerContract):
     async def test_only_its_own_frames_go_through_the_fast_codec(
         self, backend: Backend, services: Services, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """``waystation.brokers.frames`` takes pamqp's place for the whole process, yet codes only
-        the broker's own frames: a connection the test opens, or a handler opens while it runs
+        """``waystation.brokers.amqp.frames`` takes pamqp's place for the whole process, yet codes
+        only the broker's own frames: a connection the test opens, or a handler opens while it runs
         on a delivery, is pamqp's alone, before and after the broker reconnects."""
         seen: list[bytes] = []
         marshal, unmarshal = frames.marshal, frames.unmarshal

@@ -11,16 +11,16 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from waystation.agent import App
-from waystation.broker import Delivery
+from waystation.brokers.amqp.topology import policy_definition
 from waystation.brokers.memory import InMemoryBroker, InMemoryConnection
+from waystation.brokers.port import Delivery
 from waystation.events import OutboxMessage
 from waystation.events.codec import dumps, loads
 from waystation.events.memory import InMemoryEventStore
-from waystation.runtime import Worker
+from waystation.protocol.wire import CONTENT_TYPE, Names
+from waystation.runtime.worker import Worker
 from waystation.settings import Settings
 from waystation.slots.memory import MemorySlotLeases
-from waystation.topology import policy_definition
-from waystation.wire import CONTENT_TYPE, Names
 
 PREFIX = "mem."
 RESULTS = "mem.test-results"

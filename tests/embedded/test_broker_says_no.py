@@ -18,9 +18,9 @@ from waystation.events import Call, Complete, OutboxMessage, Outcome, Pause
 from waystation.events.codec import dumps
 from waystation.events.memory import InMemoryEventStore
 from waystation.events.task import MAX_IGNORED_REPLIES
-from waystation.observer import Observer
-from waystation.outbox import OutboxPublisher
-from waystation.wire import Names
+from waystation.observability.observer import Observer
+from waystation.protocol.wire import Names
+from waystation.runtime.outbox import OutboxPublisher
 
 from .harness import RESULTS, World, eventually, settings, world
 

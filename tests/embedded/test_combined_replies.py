@@ -28,7 +28,7 @@ from waystation.events import (
 )
 from waystation.events.codec import dumps
 from waystation.events.model import EventMetadata
-from waystation.runtime import Worker
+from waystation.runtime.worker import Worker
 
 from .harness import World, eventually, settings, world
 

@@ -23,7 +23,7 @@ from waystation.events import (
     fold,
 )
 from waystation.events.codec import dumps
-from waystation.observer import CHECKPOINT_SAMPLES, WorkerStats
+from waystation.observability.observer import CHECKPOINT_SAMPLES, WorkerStats
 
 from .harness import World, eventually, world
 

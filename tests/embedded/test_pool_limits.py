@@ -1,6 +1,7 @@
-"""Pool limits (``waystation.limits``) on the in-memory broker, store and slots: a concurrency
-counted across workers, waiting that burns no attempt, a limited agent's resume travelling as a
-message, and the copy a worker leaves when it dies between parking a task and acking it."""
+"""Pool limits (``waystation.runtime.limits``) on the in-memory broker, store and slots: a
+concurrency counted across workers, waiting that burns no attempt, a limited agent's resume
+travelling as a message, and the copy a worker leaves when it dies between parking a task and acking
+it."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from waystation.brokers.memory import InMemoryBroker
 from waystation.events import Call, Complete, OutboxMessage, Outcome, Pause
 from waystation.events.codec import dumps
 from waystation.events.memory import InMemoryEventStore
-from waystation.runtime import Worker
-from waystation.wire import CONTENT_TYPE, HEADER_WAITS
+from waystation.protocol.wire import CONTENT_TYPE, HEADER_WAITS
+from waystation.runtime.worker import Worker
 
 from .harness import RESULTS, World, eventually, settings, world
 

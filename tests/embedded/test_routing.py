@@ -1,5 +1,5 @@
-"""Reply routing on the in-memory backends (``waystation.routing``): a parent's replies come back to
-the worker that paused it, and to another worker when that one is gone."""
+"""Reply routing on the in-memory backends (``waystation.runtime.routing``): a parent's replies come
+back to the worker that paused it, and to another worker when that one is gone."""
 
 from __future__ import annotations
 

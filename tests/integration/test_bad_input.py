@@ -29,9 +29,9 @@ from waystation.events.codec import dumps, loads
 from waystation.events.postgres import PostgresEventStore
 from waystation.example import app as example_app
 from waystation.example import expected_total
-from waystation.runtime import Worker
+from waystation.protocol.wire import Names
+from waystation.runtime.worker import Worker
 from waystation.settings import Settings
-from waystation.wire import Names
 
 from ..support import (
     counter,

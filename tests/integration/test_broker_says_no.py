@@ -166,7 +166,7 @@ async def letter_reasons(channel: AbstractChannel, settings: Settings) -> set[st
 
 
 def _names(settings: Settings) -> object:
-    from waystation.wire import Names
+    from waystation.protocol.wire import Names
 
     return Names(settings.queue_prefix)
 

@@ -38,7 +38,7 @@ from scripts.lab.harness.broker import (
 from scripts.lab.harness.database import fresh_database_url
 from scripts.lab.harness.processes import WorkerProcess, free_port, stop_all, tail, waystation_cli
 from waystation import migrations
-from waystation.wire import Names
+from waystation.protocol.wire import Names
 
 from ..conftest import EXAMPLE_AGENTS
 from ..documents import README, ROOT, code_blocks

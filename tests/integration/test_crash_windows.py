@@ -1,9 +1,9 @@
 """A worker process SIGKILLed at each step boundary loses nothing and does nothing twice (G1, G4).
 
-Worker A runs with ``WAYSTATION_FAULT_POINT`` and kills itself there (workers/faults.py); worker B
-then starts normally and must finish the task from what A left: the log, unacked messages (which
-the broker redelivers) and outbox rows (which B's relay publishes after ``outbox_delay``). The
-stream is read once the deployment is quiet, so whatever B republished has been handled; the
+Worker A runs with ``WAYSTATION_FAULT_POINT`` and kills itself there (workers/runtime/faults.py);
+worker B then starts normally and must finish the task from what A left: the log, unacked messages
+(which the broker redelivers) and outbox rows (which B's relay publishes after ``outbox_delay``).
+The stream is read once the deployment is quiet, so whatever B republished has been handled; the
 result may come twice only when B's relay published it again.
 """
 
@@ -26,8 +26,8 @@ from scripts.lab.harness.clients import RecordingClient
 from scripts.lab.harness.processes import WorkerProcess, tail
 from waystation.events.postgres import PostgresEventStore
 from waystation.example import expected_total
+from waystation.protocol.wire import Names
 from waystation.settings import Settings
-from waystation.wire import Names
 
 from ..support import Services, deployment_quiet, require
 

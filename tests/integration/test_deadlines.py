@@ -20,8 +20,8 @@ from waystation.agent import App, TaskContext
 from waystation.events import Call, Complete, ExpiredCall, Outcome, Pause
 from waystation.events.codec import dumps, loads
 from waystation.events.postgres import PostgresEventStore
+from waystation.protocol.wire import Names
 from waystation.settings import Settings
-from waystation.wire import Names
 
 from ..support import (
     counter,

@@ -26,8 +26,8 @@ from waystation.agent import App, TaskContext
 from waystation.events import Call, Complete, Outcome, Pause
 from waystation.events.codec import loads
 from waystation.events.postgres import PostgresEventStore
+from waystation.protocol.wire import Names
 from waystation.settings import Settings
-from waystation.wire import Names
 
 from ..support import counter, dead_letters, eventually, running_worker, stream_types
 

@@ -26,8 +26,8 @@ from scripts.lab.harness.checks import fanout_problems, record_outbox_claims, re
 from scripts.lab.harness.clients import RecordingClient
 from scripts.lab.harness.processes import WorkerProcess, worker_logs
 from waystation.events.postgres import PostgresEventStore
+from waystation.protocol.wire import Names
 from waystation.settings import Settings
-from waystation.wire import Names
 
 from ..support import (
     Services,

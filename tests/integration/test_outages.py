@@ -56,10 +56,10 @@ from scripts.lab.harness.processes import (
     worker_logs,
 )
 from waystation import migrations
+from waystation.brokers.amqp.topology import clear_policy
 from waystation.events.postgres import PostgresEventStore
+from waystation.protocol.wire import Names
 from waystation.settings import Settings
-from waystation.topology import clear_policy
-from waystation.wire import Names
 
 from ..support import (
     Services,

@@ -26,8 +26,8 @@ from scripts.lab.harness.processes import (
     worker_logs,
 )
 from waystation.events.postgres import PostgresEventStore
+from waystation.protocol.wire import Names
 from waystation.settings import Settings
-from waystation.wire import Names
 
 from ..support import dead_letters, start_workers, stream_types
 

@@ -1,7 +1,7 @@
-"""Pool limits (``waystation.limits``) on 3 worker processes and the real services: ``concurrency``
-counted across the pool (start and end times of every run prove it), a killed holder's slot
-coming back within the lease time, ``rate`` never exceeded in any window, waiting that burns no
-attempt; and both shown by ``waystation agents`` and checked at start.
+"""Pool limits (``waystation.runtime.limits``) on 3 worker processes and the real services:
+``concurrency`` counted across the pool (start and end times of every run prove it), a killed
+holder's slot coming back within the lease time, ``rate`` never exceeded in any window, waiting that
+burns no attempt; and both shown by ``waystation agents`` and checked at start.
 
 The agents are ``tests/apps/pool_limits.py``; every run appends its start and end to a file all
 processes share."""
@@ -19,8 +19,8 @@ import pytest
 from scripts.lab.harness.clients import RecordingClient
 from scripts.lab.harness.processes import WorkerProcess, app_workers, log_lines, worker_logs
 from waystation.events.postgres import PostgresEventStore
+from waystation.protocol.wire import Names
 from waystation.settings import Settings
-from waystation.wire import Names
 
 from ..support import eventually, start_workers, stream_types
 from .test_policies import waystation

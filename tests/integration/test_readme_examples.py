@@ -19,8 +19,8 @@ import pytest_asyncio
 
 from scripts.lab.harness.broker import wait_for_consumers
 from scripts.lab.harness.processes import WorkerProcess, tail, worker_environment
+from waystation.protocol.wire import Names
 from waystation.settings import Settings
-from waystation.wire import Names
 
 from ..documents import README, ROOT, block_after, code_blocks
 from ..support import Capability, require

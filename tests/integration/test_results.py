@@ -26,8 +26,8 @@ from scripts.lab.harness.clients import RecordingClient
 from waystation.agent import App, TaskContext
 from waystation.events import Call, Complete, Outcome, Pause
 from waystation.events.postgres import PostgresEventStore
+from waystation.protocol.wire import Names
 from waystation.settings import Settings
-from waystation.wire import Names
 
 from ..support import counter, dead_letters, eventually, publish_reply, running_worker, take
 from .test_cli import run_cli

@@ -13,7 +13,7 @@ from aio_pika.abc import AbstractChannel, AbstractQueue
 from scripts.lab.harness.clients import RecordingClient
 from waystation.events import NewEvent
 from waystation.events.postgres import PostgresEventStore
-from waystation.metrics import Metrics
+from waystation.observability.metrics import Metrics
 from waystation.settings import Settings
 
 from ..support import eventually, publish_reply, running_worker, take

@@ -32,8 +32,8 @@ from scripts.lab.harness.processes import (
     worker_logs,
 )
 from waystation.events.postgres import PostgresEventStore
+from waystation.protocol.wire import Names
 from waystation.settings import Settings
-from waystation.wire import Names
 
 from ..support import (
     Services,

@@ -3,7 +3,7 @@
 Where a test needs to control exactly what a peer answers and when, the test itself plays the
 peer: its app calls an agent (``ghost``) that no worker serves, and the test takes the requests
 from ``<prefix>ghost`` and answers them with a plain aio-pika channel, using nothing but the
-wire format of ``workers/wire.py``.
+wire format of ``workers/protocol/wire.py``.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from waystation.events.codec import dumps, loads
 from waystation.events.postgres import PostgresEventStore
 from waystation.example import app as example_app
 from waystation.example import expected_total
+from waystation.protocol.wire import HEADER_ROOT, Names
 from waystation.settings import Settings
-from waystation.wire import HEADER_ROOT, Names
 
 from ..support import (
     count_rows,
@@ -328,7 +328,7 @@ async def test_a_foreign_peer_and_a_plain_publisher_speak_the_wire_format(
         assert request.message_id == request.correlation_id and pause == "1"
         assert request.type == "task" and request.content_type == "application/json"
         assert request.delivery_mode == aio_pika.DeliveryMode.PERSISTENT
-        # the reply shard of the worker that paused the task (waystation.routing)
+        # the reply shard of the worker that paused the task (waystation.runtime.routing)
         assert (
             request.reply_to in Names(names.prefix, settings.reply_shards).reply_queues("boss")[1:]
         )
@@ -440,8 +440,8 @@ async def test_a_parents_replies_come_back_to_the_worker_that_paused_it(
     amqp_channel: AbstractChannel,
     extra_agents: list[str],
 ) -> None:
-    """Reply routing (waystation.routing) on the real broker and slot table: the two workers claim
-    different home shards, and each task's replies are recorded where it paused."""
+    """Reply routing (waystation.runtime.routing) on the real broker and slot table: the two workers
+    claim different home shards, and each task's replies are recorded where it paused."""
     extra_agents.extend(["boss", "ghost"])
     k = 3
     ghost = await ghost_queue(amqp_channel, settings)

@@ -18,7 +18,7 @@ from scripts.lab.simulation.scenario import Scenario
 from scripts.lab.simulation.world import Observed, run
 from waystation.brokers.memory import StoredMessage
 from waystation.events import RecordedEvent
-from waystation.wire import HEADER_QUEUE, HEADER_REASON
+from waystation.protocol.wire import HEADER_QUEUE, HEADER_REASON
 
 SEEDS = range(80)
 

@@ -15,8 +15,8 @@ from pydantic import BaseModel, Field, ValidationError
 
 from waystation.agent import App, TaskContext
 from waystation.events import Call, Complete, InvalidTransition, Outcome, Pause
-from waystation.flows.base import Flows, invalid_fields, typed_input
 from waystation.logs import current_context, log_context
+from waystation.runtime.flows.base import Flows, invalid_fields, typed_input
 
 
 class Order(BaseModel):

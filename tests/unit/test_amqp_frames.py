@@ -1,5 +1,5 @@
-"""The faster codec of the hot path's AMQP frames (``waystation.brokers.frames``) gives what pamqp
-gives: the same bytes for every frame it encodes, equal objects (or the same error) for every
+"""The faster codec of the hot path's AMQP frames (``waystation.brokers.amqp.frames``) gives what
+pamqp gives: the same bytes for every frame it encodes, equal objects (or the same error) for every
 frame it decodes, well formed or not. The broker contract tests (tests/contract/test_broker.py)
 run it against RabbitMQ."""
 
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from waystation.brokers import frames
+from waystation.brokers.amqp import frames
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,4 +1,5 @@
-"""Which deliveries of a task the log holds get its recorded outcome (``waystation.flows.task``).
+"""Which deliveries of a task the log holds get its recorded outcome
+(``waystation.runtime.flows.task``).
 
 A finished task's resend is answered from the log; a redelivery or retry of the message whose
 outcome was recorded, or a repeated call of another task, is not (the log's outbox answered it).
@@ -8,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from waystation.broker import Delivery
+from waystation.brokers.port import Delivery
 from waystation.events import TaskState
 from waystation.events.codec import loads
-from waystation.flows.task import _answer_from_log, recorded_outcome
-from waystation.wire import HEADER_ATTEMPTS, HEADER_ROOT, HEADER_WAITS
+from waystation.protocol.wire import HEADER_ATTEMPTS, HEADER_ROOT, HEADER_WAITS
+from waystation.runtime.flows.task import _answer_from_log, recorded_outcome
 
 FIRST = {"reply_to": "q.first", "correlation_id": "t"}
 

@@ -12,8 +12,8 @@ import pamqp.header
 import pytest
 
 from scripts.lab.harness.checks import LogRow, log_figures, result_figures
+from waystation.brokers.amqp.deadletters import DeadLetter
 from waystation.brokers.metadata import HEADER_UNDECODABLE, guard_content_header
-from waystation.deadletters import DeadLetter
 from waystation.events.codec import dumps, loads
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"

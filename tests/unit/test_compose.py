@@ -13,9 +13,9 @@ import jsonschema
 import yaml
 from yarl import URL
 
+from waystation.brokers.amqp.topology import management_url_of
 from waystation.cli import main
 from waystation.settings import Settings
-from waystation.topology import management_url_of
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose"
@@ -148,7 +148,7 @@ def test_prometheus_scrapes_every_worker_and_projection_runner() -> None:
 
 
 def test_the_alert_rules_watch_what_the_workers_export() -> None:
-    from waystation.metrics import Metrics
+    from waystation.observability.metrics import Metrics
 
     exported = {
         family.name + ("_total" if family.type == "counter" else "")

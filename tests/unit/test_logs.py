@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from waystation.logs import configure_logging, log_context
-from waystation.wire import trace_id_of
+from waystation.protocol.wire import trace_id_of
 
 
 @pytest.fixture

@@ -41,7 +41,7 @@ def test_the_client_and_the_worker_load_when_first_named() -> None:
     shown = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/"
     ).stdout.split()
-    assert shown == ["False", "True", "waystation.client", "waystation.runtime"]
+    assert shown == ["False", "True", "waystation.client", "waystation.runtime.worker"]
     with pytest.raises(AttributeError, match="no attribute 'Clients'"):
         _ = waystation.Clients  # type: ignore[attr-defined]
 

@@ -1,6 +1,7 @@
 """Pool limits: ``concurrency`` and ``rate`` checked where the agent is declared
 (``waystation.policies``), how long a refused run's task waits and what its waiting copy carries
-(``waystation.limits``, ``waystation.settle``), and one worker's leases over the in-memory slots."""
+(``waystation.runtime.limits``, ``waystation.runtime.settle``), and one worker's leases over the
+in-memory slots."""
 
 from __future__ import annotations
 
@@ -12,15 +13,15 @@ from typing import Any
 import pytest
 
 from waystation import App, PolicyError, Rate, TaskContext
-from waystation.broker import Delivery
+from waystation.brokers.port import Delivery
 from waystation.events import Complete, OutboxMessage, Outcome
-from waystation.limits import FIRST_WAIT, UNLIMITED, Admission, PoolLimits, Wait
-from waystation.observer import Observer
+from waystation.observability.observer import Observer
 from waystation.policies import MAX_SLOTS
-from waystation.settle import Settler, sent_again, wait, waits_of
+from waystation.protocol.wire import HEADER_ATTEMPTS, HEADER_USER, HEADER_WAITS, Names
+from waystation.runtime.limits import FIRST_WAIT, UNLIMITED, Admission, PoolLimits, Wait
+from waystation.runtime.settle import Settler, sent_again, wait, waits_of
 from waystation.slots import Refusal
 from waystation.slots.memory import MemorySlotLeases
-from waystation.wire import HEADER_ATTEMPTS, HEADER_USER, HEADER_WAITS, Names
 
 
 async def handler(task: TaskContext) -> Outcome:

@@ -10,7 +10,7 @@ import click
 from pydantic_core import PydanticUndefined
 
 from waystation.cli import main
-from waystation.metrics import Metrics
+from waystation.observability.metrics import Metrics
 from waystation.settings import Settings
 
 from ..documents import DOCS, README, ROOT, anchors, code_blocks, documents, links, table_after

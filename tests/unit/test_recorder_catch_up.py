@@ -23,10 +23,10 @@ from waystation.events import (
     event_id,
 )
 from waystation.events.memory import InMemoryEventStore
-from waystation.faults import FaultPlan
-from waystation.observer import Observer
-from waystation.recorder import Cause, Recorder
-from waystation.wire import Names
+from waystation.observability.observer import Observer
+from waystation.protocol.wire import Names
+from waystation.runtime.faults import FaultPlan
+from waystation.runtime.recorder import Cause, Recorder
 
 TASK = "t-1"
 

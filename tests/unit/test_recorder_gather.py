@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from waystation import recorder as recorder_module
 from waystation.events import GENESIS_HASH, NewEvent, RecordedEvent, TaskStarted, TaskState, fold
 from waystation.events.memory import InMemoryEventStore
-from waystation.recorder import Applied, Cause, Recorder
+from waystation.runtime import recorder as recorder_module
+from waystation.runtime.recorder import Applied, Cause, Recorder
 
 from .test_recorder_catch_up import recorder_without_outbox
 

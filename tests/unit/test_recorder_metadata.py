@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from waystation.events import EventMetadata, NewEvent, TaskResumed, TaskState
-from waystation.faults import FaultPlan
-from waystation.recorder import Cause, Recorder
-from waystation.wire import Names
+from waystation.protocol.wire import Names
+from waystation.runtime.faults import FaultPlan
+from waystation.runtime.recorder import Cause, Recorder
 
 
 def recorder() -> Recorder:

@@ -1,13 +1,13 @@
-"""Reply routing's choices (``waystation.routing``): weights, homes claimed in the pool's slots,
-and the priorities and ``reply_to`` that follow from them."""
+"""Reply routing's choices (``waystation.runtime.routing``): weights, homes claimed in the pool's
+slots, and the priorities and ``reply_to`` that follow from them."""
 
 from __future__ import annotations
 
 import itertools
 
-from waystation.routing import WEIGHT_SPAN, ReplyRoutes, ranked, weight
+from waystation.protocol.wire import Names
+from waystation.runtime.routing import WEIGHT_SPAN, ReplyRoutes, ranked, weight
 from waystation.slots.memory import MemorySlotLeases
-from waystation.wire import Names
 
 NAMES = Names("t.", reply_shards=4)
 

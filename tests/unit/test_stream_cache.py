@@ -6,11 +6,11 @@ import uuid
 
 import pytest
 
-from waystation import recorder as recorder_module
 from waystation.events import GENESIS_HASH, NewEvent, RecordedEvent, TaskState, fold
 from waystation.events.chain import recorded_events
 from waystation.events.codec import dumps
-from waystation.recorder import StreamCache
+from waystation.runtime import recorder as recorder_module
+from waystation.runtime.recorder import StreamCache
 
 
 def stream(count: int, pad: int = 10, stream_id: str = "s") -> list[RecordedEvent]:

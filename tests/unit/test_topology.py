@@ -10,8 +10,8 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from waystation.topology import apply_policy, management_url_of, policy_definition
-from waystation.wire import Names
+from waystation.brokers.amqp.topology import apply_policy, management_url_of, policy_definition
+from waystation.protocol.wire import Names
 
 from ..support import management_api
 

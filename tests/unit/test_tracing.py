@@ -20,6 +20,15 @@ from waystation.events import (
     TaskStarted,
     TaskState,
 )
+from waystation.protocol.wire import (
+    HEADER_TRACE,
+    HEADER_TRACEPARENT,
+    Names,
+    ResultEnvelope,
+    implied_messages,
+    result_message,
+    trace_id_of,
+)
 from waystation.tracing import (
     call_key,
     end_key,
@@ -28,15 +37,6 @@ from waystation.tracing import (
     span_hex,
     trace_hex,
     traceparent,
-)
-from waystation.wire import (
-    HEADER_TRACE,
-    HEADER_TRACEPARENT,
-    Names,
-    ResultEnvelope,
-    implied_messages,
-    result_message,
-    trace_id_of,
 )
 
 from ..support import otel_capability, require

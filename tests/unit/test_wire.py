@@ -11,7 +11,7 @@ from waystation.events import (
     TaskResumed,
     TaskState,
 )
-from waystation.wire import TYPE_RESUME, TYPE_TASK, Names, implied_messages
+from waystation.protocol.wire import TYPE_RESUME, TYPE_TASK, Names, implied_messages
 
 NAMES = Names("t.")
 STATE = TaskState(

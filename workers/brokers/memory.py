@@ -2,7 +2,7 @@
 relies on, for fast tests, the deterministic simulation, and trying handlers without services.
 
 :class:`InMemoryBroker` is the broker (queues, exchanges, the delivery-limit policy); each worker
-opens its own :class:`InMemoryConnection`, which implements the port (``waystation.broker``):
+opens its own :class:`InMemoryConnection`, which implements the port (``waystation.brokers.port``):
 
 * an unsettled delivery returns to the head of its queue when its connection drops or is closed;
 * the broker counts deliveries that were not settled. ``counting="classic"`` (RabbitMQ before
@@ -10,18 +10,19 @@ opens its own :class:`InMemoryConnection`, which implements the port (``waystati
   only ``x-acquired-count``, and ``x-delivery-count`` (which the delivery limit reads) stays put;
 * past the delivery limit the broker dead-letters the message through the queue's dead-letter
   exchange (``x-first-death-reason: delivery_limit``);
-* a mandatory publish that no queue takes raises :class:`~waystation.broker.Unroutable`;
-* the broker can say no (``waystation.broker``): a message whose routing key, properties or headers
-  AMQP cannot encode raises :class:`~waystation.broker.Unsendable` before anything is sent; one
-  larger than ``max_message_bytes`` raises it too (``too-large``); a queue declared with
+* a mandatory publish that no queue takes raises :class:`~waystation.brokers.port.Unroutable`;
+* the broker can say no (``waystation.brokers.port``): a message whose routing key, properties or
+headers
+  AMQP cannot encode raises :class:`~waystation.brokers.port.Unsendable` before anything is sent;
+  one larger than ``max_message_bytes`` raises it too (``too-large``); a queue declared with
   ``max_length`` and
   ``overflow="reject-publish"`` that is full nacks a publish, and so does the broker itself at
-  ``nack_rate`` (:class:`~waystation.broker.PublishRefused`);
+  ``nack_rate`` (:class:`~waystation.brokers.port.PublishRefused`);
 * :meth:`InMemoryBroker.enqueue_raw` takes a message whose properties are raw bytes, as a
   hostile publisher writes them, and delivers what the AMQP backend would give for them
   (``waystation.brokers.metadata.guard_content_header``);
 * a publish not yet confirmed when its connection drops raises
-  :class:`~waystation.broker.BrokerUnavailable`, and the message was kept or lost depending on
+  :class:`~waystation.brokers.port.BrokerUnavailable`, and the message was kept or lost depending on
   whether the broker had received it;
 * an ack sent just before a drop may be lost: the delivery then comes again.
 
@@ -43,9 +44,8 @@ from typing import Any, Literal
 
 import pamqp.header
 
-from waystation.events import OutboxMessage
-
-from ..broker import (
+from waystation.brokers.metadata import check_encodable, guard_content_header
+from waystation.brokers.port import (
     Broker,
     BrokerUnavailable,
     Delivery,
@@ -54,8 +54,8 @@ from ..broker import (
     Unroutable,
     Unsendable,
 )
-from ..wire import Names
-from .metadata import check_encodable, guard_content_header
+from waystation.events import OutboxMessage
+from waystation.protocol.wire import Names
 
 __all__ = ["InMemoryBroker", "InMemoryConnection", "StoredMessage"]
 

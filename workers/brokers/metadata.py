@@ -2,7 +2,8 @@
 
 Properties and headers come from publishers Waystation does not control, and go back out on the
 copies a worker publishes (a retry, a wait for a slot, a dead letter). Three things here, used by
-the AMQP backend (``waystation.brokers.amqp``) and by the in-memory one, which behaves as it does:
+the AMQP backend (``waystation.brokers.amqp.broker``) and by the in-memory one, which behaves as it
+does:
 
 * :func:`guard_content_header` takes a content header frame's payload as it arrived and returns
   it unchanged when it decodes (with what it decodes to), or else a payload that does: the
@@ -14,7 +15,8 @@ the AMQP backend (``waystation.brokers.amqp``) and by the in-memory one, which b
 * :func:`sendable` makes decoded headers into what the client library can encode again: a long
   string that was not UTF-8 (decoded as ``bytes``) becomes a byte array, a double that a single
   float cannot hold becomes its text, anything else it cannot write becomes its ``repr``.
-* :func:`check_encodable` refuses, as :class:`~waystation.broker.Unsendable`, an outgoing message
+* :func:`check_encodable` refuses, as :class:`~waystation.brokers.port.Unsendable`, an outgoing
+message
   whose routing key, properties or headers AMQP cannot encode (a short string over 255 bytes, a
   value of a type AMQP has none for), before anything of it is sent.
 """
@@ -31,10 +33,9 @@ import pamqp.commands
 import pamqp.decode
 import pamqp.header
 
+from waystation.brokers.amqp import frames
+from waystation.brokers.port import Unsendable
 from waystation.events import OutboxMessage
-
-from ..broker import Unsendable
-from . import frames
 
 __all__ = [
     "HEADER_RAW",
@@ -231,7 +232,7 @@ def properties_of(message: OutboxMessage) -> _Properties:
 
 
 def check_encodable(message: OutboxMessage) -> None:
-    """Raise :class:`~waystation.broker.Unsendable` (``unencodable``) when AMQP cannot carry
+    """Raise :class:`~waystation.brokers.port.Unsendable` (``unencodable``) when AMQP cannot carry
     ``message``'s routing key, properties or headers (what the client library would refuse)."""
     problem: str | None = None
     if len(message.routing_key.encode()) > MAX_SHORT_STRING:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import click
 
-from . import admin, agents, audit, results, schema, serve, tasks
+from waystation.cli import admin, agents, audit, results, schema, serve, tasks
 
 __all__ = ["main"]
 
@@ -48,7 +48,7 @@ def main(log_level: str, log_format: str) -> None:
     Settings come from WAYSTATION_* environment variables (see docs/configuration.md).
     Logs go to stderr; results, tables and --json output to stdout.
     """
-    from ..logs import configure_logging
+    from waystation.logs import configure_logging
 
     configure_logging(log_level, log_format)  # type: ignore[arg-type]
     context = click.get_current_context()

@@ -1,6 +1,6 @@
 """``python -m waystation.cli``: the ``waystation`` command without its console script."""
 
-from . import main
+from waystation.cli import main
 
 if __name__ == "__main__":
     main()

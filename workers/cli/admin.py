@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING
 import click
 
 from waystation import migrations
+from waystation.cli.wiring import load_settings, run, with_projection_engine
 from waystation.events.codec import dumps
-
-from .wiring import load_settings, run, with_projection_engine
 
 if TYPE_CHECKING:
     from waystation.projections.postgres import ProjectionStatus

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import click
 
+from waystation.cli.wiring import load_app, load_settings
 from waystation.events.codec import dumps
-
-from .wiring import load_app, load_settings
 
 __all__ = ["agents"]
 
@@ -26,7 +25,7 @@ def agents(app_path: str, as_json: bool) -> None:
     broker), the time limit of one run, the most runs at once and starts per period across the
     pool (concurrency, rate; none by default), and the default deadline of their calls. A policy
     that cannot work fails here, as it does when a worker starts."""
-    from ..agent import App
+    from waystation.agent import App
 
     app = load_app(app_path)  # a policy that cannot work: a usage error naming it
     if not isinstance(app, App):

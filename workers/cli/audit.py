@@ -14,16 +14,14 @@ from typing import TYPE_CHECKING
 
 import click
 
+from waystation.cli.wiring import load_settings, open_store, run
 from waystation.events.codec import dumps
-
-from .wiring import load_settings, open_store, run
 
 if TYPE_CHECKING:
     from waystation.events.model import RecordedEvent
     from waystation.projections.audit import Problem
     from waystation.projections.export import ExportSummary, Selection
-
-    from ..settings import Settings
+    from waystation.settings import Settings
 
 __all__ = ["export", "history", "state", "verify"]
 

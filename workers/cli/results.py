@@ -1,7 +1,7 @@
 """``waystation result``: a task's recorded outcome, read from the log.
 
-The same answer a ``query`` message gets from a worker (``waystation.flows.query``), read here
-straight from the database, as ``history`` and ``state`` do.
+The same answer a ``query`` message gets from a worker (``waystation.runtime.flows.query``), read
+here straight from the database, as ``history`` and ``state`` do.
 """
 
 from __future__ import annotations
@@ -11,14 +11,12 @@ from typing import TYPE_CHECKING
 
 import click
 
+from waystation.cli.wiring import load_settings, open_store, run
 from waystation.events.codec import dumps
-
-from .wiring import load_settings, open_store, run
 
 if TYPE_CHECKING:
     from waystation.events import TaskState
-
-    from ..settings import Settings
+    from waystation.settings import Settings
 
 __all__ = ["result"]
 
@@ -57,7 +55,7 @@ async def _load(settings: Settings, task_id: str) -> TaskState:
 
 
 def _print(state: TaskState, as_json: bool) -> int:
-    from ..flows.query import query_answer
+    from waystation.runtime.flows.query import query_answer
 
     answer = query_answer(state)
     if as_json:

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from .wiring import load_app
+from waystation.cli.wiring import load_app
 
 __all__ = ["schema"]
 
@@ -31,9 +31,8 @@ def schema(agent: str, app_path: str) -> None:
     invalid-input); the result schema is what the "result" of an ok answer holds. A side the
     agent declares no model for is null: any JSON. Exit codes: 0 printed, 2 no such agent.
     """
+    from waystation.agent import App
     from waystation.events.codec import dumps
-
-    from ..agent import App
 
     app = load_app(app_path)
     if not isinstance(app, App):

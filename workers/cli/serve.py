@@ -18,11 +18,10 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from waystation import migrations
-
-from .wiring import load_app, load_settings, run
+from waystation.cli.wiring import load_app, load_settings, run
 
 if TYPE_CHECKING:
-    from ..settings import Settings
+    from waystation.settings import Settings
 
 __all__ = ["run_projections", "worker"]
 
@@ -66,7 +65,7 @@ def run_projections() -> None:
 
 def _log_as_worker(worker_id: str) -> None:
     """Put the worker id on every log line of this process from now on."""
-    from ..logs import configure_logging
+    from waystation.logs import configure_logging
 
     options = click.get_current_context().find_root().obj or {}
     configure_logging(
@@ -76,7 +75,7 @@ def _log_as_worker(worker_id: str) -> None:
 
 def _run_service(coroutine: Coroutine[Any, Any, None]) -> None:
     """Run a long-lived process; a port it cannot listen on ends it with a clear line, exit 1."""
-    from ..metrics import MetricsPortUnavailable
+    from waystation.observability.metrics import MetricsPortUnavailable
 
     try:
         run(coroutine)
@@ -115,10 +114,9 @@ def _stop_on_signal() -> asyncio.Event:
 
 async def _serve(app: Any, settings: Settings) -> None:
     from waystation.events.postgres import PostgresEventStore
-
-    from ..metrics import HttpServer, Metrics, database_gauges
-    from ..runtime import Worker
-    from ..slots.postgres import PostgresSlotLeases
+    from waystation.observability.metrics import HttpServer, Metrics, database_gauges
+    from waystation.runtime.worker import Worker
+    from waystation.slots.postgres import PostgresSlotLeases
 
     metrics = Metrics()
     await migrations.upgrade(settings.database_url)
@@ -149,9 +147,8 @@ async def _serve(app: Any, settings: Settings) -> None:
 
 async def _run_projections(settings: Settings) -> None:
     from waystation.events.postgres import horizon_holder
+    from waystation.observability.metrics import Health, HttpServer, Metrics, projection_gauges
     from waystation.projections.postgres import PROJECTIONS, ProjectionRunner, create_engine
-
-    from ..metrics import Health, HttpServer, Metrics, projection_gauges
 
     await migrations.upgrade(settings.database_url)
     # each projection holds a connection while it runs; /healthz and /metrics need their own

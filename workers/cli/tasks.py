@@ -12,19 +12,17 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from waystation.cli.admin import print_projection_status
+from waystation.cli.wiring import load_settings, open_store, run, with_projection_engine
 from waystation.events.codec import dumps, loads
-
-from .admin import print_projection_status
-from .wiring import load_settings, open_store, run, with_projection_engine
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
+    from waystation.brokers.amqp.deadletters import DeadLetter
     from waystation.projections.model import AgentCounts
     from waystation.projections.postgres import ProjectionStatus
-
-    from ..deadletters import DeadLetter
-    from ..settings import Settings
+    from waystation.settings import Settings
 
 __all__ = ["cancel", "dead_letters", "list_paused_tasks", "status", "submit"]
 
@@ -71,7 +69,7 @@ async def _submit(
     timeout: float,
     trace_id: str | None,
 ) -> int:
-    from ..client import Client
+    from waystation.client import Client
 
     async with Client(settings.amqp_url, queue_prefix=settings.queue_prefix) as client:
         task_id = await client.submit(agent, payload, task_id=task_id, trace_id=trace_id)
@@ -115,9 +113,8 @@ def cancel(task_id: str, agent: str | None, reason: str | None, timeout: float) 
 async def _cancel(
     settings: Settings, task_id: str, agent: str | None, reason: str | None, timeout: float
 ) -> int:
+    from waystation.client import Client
     from waystation.events import fold
-
-    from ..client import Client
 
     if agent is None:
         store = open_store(settings)
@@ -150,8 +147,8 @@ def dead_letters() -> None:
 @click.option("--json", "as_json", is_flag=True, help="JSON instead of a table.")
 def list_dead_letters(limit: int, as_json: bool) -> None:
     """Show dead letters with their reasons; they stay in the queue."""
-    from ..deadletters import browse
-    from ..wire import Names
+    from waystation.brokers.amqp.deadletters import browse
+    from waystation.protocol.wire import Names
 
     settings = load_settings()
     letters = run(browse(settings.amqp_url, Names(settings.queue_prefix), limit))
@@ -164,8 +161,8 @@ def list_dead_letters(limit: int, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="JSON instead of a table.")
 def replay_dead_letters(reason: str | None, limit: int, as_json: bool) -> None:
     """Send dead letters back to the queue they came from (after fixing the cause)."""
-    from ..deadletters import replay
-    from ..wire import Names
+    from waystation.brokers.amqp.deadletters import replay
+    from waystation.protocol.wire import Names
 
     settings = load_settings()
     letters = run(

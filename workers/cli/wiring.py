@@ -17,8 +17,7 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
     from waystation.events.postgres import PostgresEventStore
-
-    from ..settings import Settings
+    from waystation.settings import Settings
 
 __all__ = [
     "load_app",
@@ -35,7 +34,7 @@ P = ParamSpec("P")
 
 def load_settings(**overrides: Any) -> Settings:
     """Settings from WAYSTATION_* variables; an option given on the command line wins."""
-    from ..settings import Settings
+    from waystation.settings import Settings
 
     return Settings(**{k: v for k, v in overrides.items() if v is not None})
 
@@ -46,7 +45,7 @@ def load_app(path: str) -> Any:
     its own directory on ``sys.path``, not the one it is run from."""
     import click
 
-    from ..policies import PolicyError
+    from waystation.policies import PolicyError
 
     here = os.getcwd()
     if here not in sys.path:

@@ -16,10 +16,9 @@ from typing import Any
 from waystation import migrations
 from waystation.events import EventStore
 from waystation.events.memory import InMemoryEventStore
-
-from ..settings import Settings
-from .artifacts import MemoryBlobs, PostgresBlobs, WaystationArtifactStore
-from .store import GLOBAL_TRACE, WaystationStateStore
+from waystation.penguiflow.artifacts import MemoryBlobs, PostgresBlobs, WaystationArtifactStore
+from waystation.penguiflow.store import GLOBAL_TRACE, WaystationStateStore
+from waystation.settings import Settings
 
 __all__ = [
     "GLOBAL_TRACE",

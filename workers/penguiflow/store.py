@@ -56,8 +56,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as PrometheusCounter
 
 from waystation.events import EventStore, RecordedEvent
-
-from .streams import (
+from waystation.penguiflow.streams import (
     LogWriter,
     decode_value,
     derived_id,

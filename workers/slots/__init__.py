@@ -1,4 +1,5 @@
-"""The slot port: where the pool keeps the slots of its agents' limits (``waystation.limits``).
+"""The slot port: where the pool keeps the slots of its agents' limits
+(``waystation.runtime.limits``).
 
 An agent's ``concurrency`` of N is N slots of kind ``runs``; its ``rate`` of N starts per period
 is N slots of kind ``starts``. A run may start only once it holds one free slot of each of its

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from . import Kind, Limit, Refusal, SlotLeases
+from waystation.slots import Kind, Limit, Refusal, SlotLeases
 
 __all__ = ["MemorySlotLeases"]
 

@@ -24,8 +24,7 @@ from sqlalchemy.dialects.postgresql import TIMESTAMP
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from waystation.events.postgres import translate_error
-
-from . import Limit, Refusal, SlotLeases
+from waystation.slots import Limit, Refusal, SlotLeases
 
 __all__ = ["PostgresSlotLeases", "pool_slots_table"]
 

@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from waystation.client import Client
+from waystation.protocol.wire import HEADER_REASON, Names
 from waystation.settings import Settings
-from waystation.wire import HEADER_REASON, Names
 
 from ..harness.broker import delete_topology, queue_depth, run_rabbitmqctl, wait_for_consumers
 from ..harness.processes import WorkerProcess

@@ -21,10 +21,10 @@ from urllib.parse import quote, unquote, urlparse
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractQueue
 
+from waystation.brokers.amqp.topology import apply_policy
 from waystation.policies import WAIT_STEPS_MS
+from waystation.protocol.wire import Names
 from waystation.settings import Settings
-from waystation.topology import apply_policy
-from waystation.wire import Names
 
 from .processes import run_tool
 
@@ -32,7 +32,7 @@ from .processes import run_tool
 
 
 DEFAULT_REPLY_SHARDS: int = Settings.model_fields["reply_shards"].default
-"""The reply shards per agent of workers with default settings (``waystation.routing``)."""
+"""The reply shards per agent of workers with default settings (``waystation.runtime.routing``)."""
 
 
 def deployment_names(prefix: str) -> Names:

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from waystation.broker import Broker, BrokerUnavailable, Delivery, DeliveryHandler
 from waystation.brokers.memory import InMemoryConnection
+from waystation.brokers.port import Broker, BrokerUnavailable, Delivery, DeliveryHandler
 from waystation.events import (
     AppendResult,
     EventStore,
@@ -35,7 +35,7 @@ from waystation.events import (
     StoreUnavailable,
 )
 from waystation.events.store import Position
-from waystation.wire import Names
+from waystation.protocol.wire import Names
 
 __all__ = [
     "ACTOR",

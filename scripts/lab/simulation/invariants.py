@@ -30,11 +30,11 @@ from typing import Any
 
 from waystation.events import RecordedEvent, canonical, fold
 from waystation.events.codec import loads
-from waystation.outbox import REFUSED_BACKOFF
 from waystation.projections.audit import verify_stream
 from waystation.projections.model import FeedEvent, PausedTask, fold_paused_tasks
-from waystation.sweeper import SWEEP_LEASE
-from waystation.wire import HEADER_ATTEMPTS
+from waystation.protocol.wire import HEADER_ATTEMPTS
+from waystation.runtime.outbox import REFUSED_BACKOFF
+from waystation.runtime.sweeper import SWEEP_LEASE
 
 from . import reality, refusals
 from .loop import EPOCH

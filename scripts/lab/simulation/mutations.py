@@ -18,19 +18,19 @@ import logging
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
-import waystation.broker
+import waystation.brokers.port
 import waystation.events.task
-import waystation.flows
-import waystation.flows.base
-import waystation.flows.cancel
-import waystation.flows.reply
-import waystation.outbox
-import waystation.recorder
-import waystation.runtime
-import waystation.settle
-import waystation.sweeper
+import waystation.runtime.flows
+import waystation.runtime.flows.base
+import waystation.runtime.flows.cancel
+import waystation.runtime.flows.reply
+import waystation.runtime.outbox
+import waystation.runtime.recorder
+import waystation.runtime.settle
+import waystation.runtime.sweeper
+import waystation.runtime.worker
 from waystation.agent import AgentSpec
-from waystation.broker import Delivery
+from waystation.brokers.port import Delivery
 from waystation.events import (
     CancelledCall,
     DomainEvent,
@@ -51,13 +51,13 @@ from waystation.events import (
     parse_subtask_id,
 )
 from waystation.events.chain import recorded_events
-from waystation.flows.base import Flows, error_of, resume_context
-from waystation.flows.reply import handle_reply
-from waystation.flows.resume import handle_resume
-from waystation.intake import Rejection
-from waystation.recorder import Cause
-from waystation.settle import Settled, ack, dead, requeue
-from waystation.wire import TYPE_CANCEL, TYPE_TASK, implied_messages
+from waystation.protocol.intake import Rejection
+from waystation.protocol.wire import TYPE_CANCEL, TYPE_TASK, implied_messages
+from waystation.runtime.flows.base import Flows, error_of, resume_context
+from waystation.runtime.flows.reply import handle_reply
+from waystation.runtime.flows.resume import handle_resume
+from waystation.runtime.recorder import Cause
+from waystation.runtime.settle import Settled, ack, dead, requeue
 
 __all__ = ["MUTATIONS", "mutated"]
 
@@ -74,7 +74,9 @@ def _old_retry(failed_runs: int) -> Settled:
     return requeue()
 
 
-async def _answer_by_plain_publish(self: waystation.settle.Settler, message: OutboxMessage) -> None:
+async def _answer_by_plain_publish(
+    self: waystation.runtime.settle.Settler, message: OutboxMessage
+) -> None:
     await self.broker.publish(message)
 
 
@@ -83,19 +85,19 @@ async def _tell_nobody(*_: Any) -> None:
 
 
 async def _no_retry_through_outages(
-    self: waystation.recorder.Recorder, operation: Callable[[], Awaitable[Any]]
+    self: waystation.runtime.recorder.Recorder, operation: Callable[[], Awaitable[Any]]
 ) -> Any:
     return await operation()
 
 
-async def _sequential_sweep(self: waystation.sweeper.DeadlineSweeper) -> None:
+async def _sequential_sweep(self: waystation.runtime.sweeper.DeadlineSweeper) -> None:
     """The sweeper before defect k was fixed: one timeout after the other, each waiting for
     its stream's lock."""
     while True:
         try:
             expired = await self.store.claim_expired_calls(
-                limit=waystation.sweeper.SWEEP_BATCH,
-                lease=waystation.sweeper.SWEEP_LEASE,
+                limit=waystation.runtime.sweeper.SWEEP_BATCH,
+                lease=waystation.runtime.sweeper.SWEEP_LEASE,
                 deployment=self.deployment,
             )
             for call in expired:
@@ -108,7 +110,7 @@ async def _sequential_sweep(self: waystation.sweeper.DeadlineSweeper) -> None:
 
 
 async def _timeout_on_the_workers_clock(
-    self: waystation.sweeper.DeadlineSweeper, call: ExpiredCall
+    self: waystation.runtime.sweeper.DeadlineSweeper, call: ExpiredCall
 ) -> None:
     """Before defect k was fixed: the timeout decided on the sweeping worker's own clock."""
     await self.recorder.append_decision(
@@ -224,11 +226,11 @@ def _is_request(message: OutboxMessage) -> bool:
     )
 
 
-_commit_parts = waystation.recorder.Recorder._commit_parts
+_commit_parts = waystation.runtime.recorder.Recorder._commit_parts
 
 
 async def _requests_before_the_pause(
-    self: waystation.recorder.Recorder,
+    self: waystation.runtime.recorder.Recorder,
     parts: Sequence[Any],
     *,
     step: str,
@@ -248,7 +250,9 @@ async def _requests_before_the_pause(
     return await _commit_parts(self, parts, step=step, history=history)
 
 
-async def _answer_without_waiting(self: waystation.settle.Settler, message: OutboxMessage) -> None:
+async def _answer_without_waiting(
+    self: waystation.runtime.settle.Settler, message: OutboxMessage
+) -> None:
     """An answer published without waiting for it: the delivery is acked first, and a crash in
     between loses the answer of a task that wrote nothing (G10)."""
 
@@ -264,7 +268,7 @@ async def _answer_without_waiting(self: waystation.settle.Settler, message: Outb
 _background: set[asyncio.Task[None]] = set()
 
 
-async def _relay_keeping_its_unsent(self: waystation.outbox.OutboxPublisher) -> None:
+async def _relay_keeping_its_unsent(self: waystation.runtime.outbox.OutboxPublisher) -> None:
     """Issue 28 a: the relay before each row had a fate of its own. A row whose publish failed
     for any reason but "unroutable" stayed in the relay's unsent list, which it retried alone,
     never claiming another row, for as long as the broker said no."""
@@ -272,8 +276,8 @@ async def _relay_keeping_its_unsent(self: waystation.outbox.OutboxPublisher) -> 
     while True:
         try:
             entries = unsent or await self.store.claim_outbox(
-                limit=waystation.outbox.RELAY_BATCH,
-                lease=waystation.outbox.RELAY_LEASE,
+                limit=waystation.runtime.outbox.RELAY_BATCH,
+                lease=waystation.runtime.outbox.RELAY_LEASE,
                 deployment=self.deployment,
             )
             unsent = []
@@ -282,11 +286,11 @@ async def _relay_keeping_its_unsent(self: waystation.outbox.OutboxPublisher) -> 
                 for entry, error in zip(entries, errors, strict=True):
                     if error is None:
                         self._forget(entry.id)
-                    elif isinstance(error, waystation.broker.Unroutable):
+                    elif isinstance(error, waystation.brokers.port.Unroutable):
                         await self._undeliverable(entry, error)
                     else:
                         unsent.append(entry)
-                if len(entries) == waystation.outbox.RELAY_BATCH and not unsent:
+                if len(entries) == waystation.runtime.outbox.RELAY_BATCH and not unsent:
                     continue
         except asyncio.CancelledError:
             raise
@@ -302,12 +306,12 @@ def _headers_as_they_came(headers: Any) -> dict[str, Any]:
 
 
 async def _resume_in_place_handing_every_failure_over(
-    flows: waystation.flows.base.Flows,
+    flows: waystation.runtime.flows.base.Flows,
     state: TaskState,
     events: list[DomainEvent],
     cause: Cause,
     causation_key: str,
-) -> waystation.recorder.Extension | None:
+) -> waystation.runtime.recorder.Extension | None:
     """Issue 28 e: a resumed run in place, before it followed its agent's policy. Anything it
     raised but an invalid outcome was handed over to a resume message, to run again, whatever
     the policy said (a ``Permanent`` error, ``retries=0``), and without its backoff."""
@@ -336,14 +340,14 @@ async def _resume_in_place_handing_every_failure_over(
         )
     except InvalidTransition as error:
         failed = [*events, *decide_failure(resumed, error_of(error))]
-        return waystation.recorder.Extension(
+        return waystation.runtime.recorder.Extension(
             failed, checkpoint_started=None, resumed_at=decided_at, made=own
         )
     except Exception:
-        return waystation.recorder.Extension(
+        return waystation.runtime.recorder.Extension(
             events, checkpoint_started=None, resumed_at=None, failed_runs=1, made=own
         )
-    return waystation.recorder.Extension(
+    return waystation.runtime.recorder.Extension(
         [*events, *following], checkpoint_started=None, resumed_at=decided_at, made=own
     )
 
@@ -355,75 +359,93 @@ MUTATIONS: dict[str, list[Patch]] = {
     ],
     # b: a cancel before a task's first run was recorded left its publisher unanswered
     "b-cancel-before-first-run": [
-        (waystation.flows.base.Flows, "answer_cancelled_before_start", _tell_nobody)
+        (waystation.runtime.flows.base.Flows, "answer_cancelled_before_start", _tell_nobody)
     ],
     # e: a handler ran in place on a stale copy of its stream
-    "e-stale-cache": [(waystation.recorder, "resumes", lambda events: False)],
+    "e-stale-cache": [(waystation.runtime.recorder, "resumes", lambda events: False)],
     # f: an answer to a queue that is gone failed the flow, which re-ran the handler
-    "f-unroutable-answer": [(waystation.settle.Settler, "answer", _answer_by_plain_publish)],
+    "f-unroutable-answer": [
+        (waystation.runtime.settle.Settler, "answer", _answer_by_plain_publish)
+    ],
     # i: attempts counted by the broker's x-delivery-count, retries by requeueing
     "i-broker-counting": [
-        (waystation.flows.base, "retry", _old_retry),
-        (waystation.flows.base, "attempt_of", _old_attempt_of),
-        (waystation.settle, "attempt_of", _old_attempt_of),
+        (waystation.runtime.flows.base, "retry", _old_retry),
+        (waystation.runtime.flows.base, "attempt_of", _old_attempt_of),
+        (waystation.runtime.settle, "attempt_of", _old_attempt_of),
     ],
     # k: an outage of the log re-ran the whole flow, its handler included
     "k-outage-reruns-handler": [
-        (waystation.recorder.Recorder, "_through_outages", _no_retry_through_outages)
+        (waystation.runtime.recorder.Recorder, "_through_outages", _no_retry_through_outages)
     ],
     # k: a timeout decided on the worker's clock, which may be behind the database's
     "k-worker-clock-timeouts": [
-        (waystation.sweeper.DeadlineSweeper, "record_timeout", _timeout_on_the_workers_clock)
+        (
+            waystation.runtime.sweeper.DeadlineSweeper,
+            "record_timeout",
+            _timeout_on_the_workers_clock,
+        )
     ],
     # k: the sweeper waited on each stream's lock in turn
-    "k-sequential-sweeper": [(waystation.sweeper.DeadlineSweeper, "run", _sequential_sweep)],
+    "k-sequential-sweeper": [
+        (waystation.runtime.sweeper.DeadlineSweeper, "run", _sequential_sweep)
+    ],
     # the world against the log ("When the broker says no", section 2):
     # G1: the reply flow acked its delivery, then appended
-    "reply-acked-before-append": [(waystation.flows, "handle_reply", _ack_then_record_reply)],
+    "reply-acked-before-append": [
+        (waystation.runtime.flows, "handle_reply", _ack_then_record_reply)
+    ],
     # a reply lost between the broker and the log (acked unrecorded), turned into a timeout
     "reply-lost-when-stream-busy": [
-        (waystation.flows, "handle_reply", _drop_reply_when_stream_busy)
+        (waystation.runtime.flows, "handle_reply", _drop_reply_when_stream_busy)
     ],
     # G1: the resume flow acked its message, then ran the resumed handler
-    "resume-acked-before-its-run": [(waystation.flows, "handle_resume", _ack_then_resume)],
+    "resume-acked-before-its-run": [(waystation.runtime.flows, "handle_resume", _ack_then_resume)],
     # a reply to a finished task dead-lettered (unknown-task) instead of recorded as late
-    "late-replies-dead-lettered": [(waystation.flows, "handle_reply", _late_replies_dead_lettered)],
+    "late-replies-dead-lettered": [
+        (waystation.runtime.flows, "handle_reply", _late_replies_dead_lettered)
+    ],
     # a reply the log cannot store dead-lettered, its call left to time out
     "unstorable-reply-unrecorded": [
-        (waystation.runtime, "handle_unstorable_reply", _unstorable_reply_only_dead_lettered)
+        (waystation.runtime.worker, "handle_unstorable_reply", _unstorable_reply_only_dead_lettered)
     ],
     # duplicate and late replies acked without their audit record
     "ignored-replies-unrecorded": [
-        (waystation.flows.reply, "decide_reply", _ignored_replies_unrecorded)
+        (waystation.runtime.flows.reply, "decide_reply", _ignored_replies_unrecorded)
     ],
     # late replies recorded as duplicates
     "late-replies-called-duplicates": [
-        (waystation.flows.reply, "decide_reply", _late_replies_called_duplicates)
+        (waystation.runtime.flows.reply, "decide_reply", _late_replies_called_duplicates)
     ],
     # G5, the dual path: requests published before the pause commits, outbox rows forgotten
     "requests-before-pause-commits": [
-        (waystation.recorder.Recorder, "_commit_parts", _requests_before_the_pause)
+        (waystation.runtime.recorder.Recorder, "_commit_parts", _requests_before_the_pause)
     ],
     # G7: a cancel naming the claimed calls too, or leaving one outstanding call out
     "cancel-names-claimed-calls": [
-        (waystation.flows.cancel, "decide_cancel", _cancel_naming_every_call)
+        (waystation.runtime.flows.cancel, "decide_cancel", _cancel_naming_every_call)
     ],
     "cancel-forgets-a-call": [
-        (waystation.flows.cancel, "decide_cancel", _cancel_forgetting_a_call)
+        (waystation.runtime.flows.cancel, "decide_cancel", _cancel_forgetting_a_call)
     ],
     # G6: a timeout without a cancel to the peer
-    "timeout-without-cancel": [(waystation.recorder, "implied_messages", _no_cancel_on_timeout)],
+    "timeout-without-cancel": [
+        (waystation.runtime.recorder, "implied_messages", _no_cancel_on_timeout)
+    ],
     # G10 with G1: an answer published without waiting, after the ack
-    "answer-after-ack": [(waystation.settle.Settler, "answer", _answer_without_waiting)],
+    "answer-after-ack": [(waystation.runtime.settle.Settler, "answer", _answer_without_waiting)],
     # issue 28 a: one refused outbox row stopped its worker's relay
     "a-relay-stalls-on-a-refusal": [
-        (waystation.outbox.OutboxPublisher, "relay", _relay_keeping_its_unsent)
+        (waystation.runtime.outbox.OutboxPublisher, "relay", _relay_keeping_its_unsent)
     ],
     # issue 28 c: the copies of a delivery re-published headers the client cannot write
-    "c-copies-unsanitized": [(waystation.settle, "sendable", _headers_as_they_came)],
+    "c-copies-unsanitized": [(waystation.runtime.settle, "sendable", _headers_as_they_came)],
     # issue 28 e: a resumed run in place that raised Permanent ran again by resume message
     "e-resume-in-place-ignores-the-policy": [
-        (waystation.flows.reply, "_resume_in_place", _resume_in_place_handing_every_failure_over),
+        (
+            waystation.runtime.flows.reply,
+            "_resume_in_place",
+            _resume_in_place_handing_every_failure_over,
+        ),
     ],
 }
 

@@ -43,12 +43,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from waystation.broker import Delivery
 from waystation.brokers.memory import StoredMessage
+from waystation.brokers.port import Delivery
 from waystation.events import RecordedEvent, parse_subtask_id
 from waystation.events.codec import loads, unstorable
-from waystation.settle import crash_limit
-from waystation.wire import (
+from waystation.protocol.wire import (
     HEADER_ATTEMPTS,
     HEADER_QUEUE,
     HEADER_REASON,
@@ -59,6 +58,7 @@ from waystation.wire import (
     TYPE_TASK,
     Names,
 )
+from waystation.runtime.settle import crash_limit
 
 from .faults import Acked, Sent
 from .loop import EPOCH

@@ -25,8 +25,8 @@ kept as a dead letter when its publisher's queue stayed full longer than the wor
 from __future__ import annotations
 
 from waystation.events import RecordedEvent
-from waystation.outbox import RELAY_LEASE
-from waystation.wire import HEADER_REASON, TYPE_CANCEL, TYPE_RESULT, TYPE_RESUME, TYPE_TASK
+from waystation.protocol.wire import HEADER_REASON, TYPE_CANCEL, TYPE_RESULT, TYPE_RESUME, TYPE_TASK
+from waystation.runtime.outbox import RELAY_LEASE
 
 from .reality import hostile_tag
 from .world import GONE, Observed

@@ -18,16 +18,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from waystation.agent import App, TaskContext
-from waystation.broker import BrokerUnavailable, Delivery
+from waystation.brokers.amqp.topology import policy_definition
 from waystation.brokers.memory import InMemoryBroker, InMemoryConnection, StoredMessage
+from waystation.brokers.port import BrokerUnavailable, Delivery
 from waystation.events import Call, Complete, OutboxMessage, Outcome, Pause, Position, RecordedEvent
 from waystation.events.codec import dumps, loads
 from waystation.events.memory import InMemoryEventStore
 from waystation.policies import Permanent
-from waystation.runtime import Worker
+from waystation.protocol.wire import (
+    CONTENT_TYPE,
+    TYPE_CANCEL,
+    TYPE_PROGRESS,
+    TYPE_RESULT,
+    TYPE_TASK,
+    Names,
+)
+from waystation.runtime.worker import Worker
 from waystation.settings import Settings
-from waystation.topology import policy_definition
-from waystation.wire import CONTENT_TYPE, TYPE_CANCEL, TYPE_PROGRESS, TYPE_RESULT, TYPE_TASK, Names
 
 from .faults import ACTOR, Chronicle, FaultPlan, FaultyBroker, FaultyStore, Process, Trace
 from .hostile import hostile_message, odd_headers

@@ -3,8 +3,8 @@
 Without routing, a parent's K replies land on whichever workers take them from the agent's
 reply queue. Two workers recording replies of one task race to the same stream version: one
 append fails with a version conflict, reads the stream again and retries; and a worker that did
-not write the stream last has no copy of it (``waystation.recorder.StreamCache``), so it reads it
-first. Routing makes the common case one worker per parent:
+not write the stream last has no copy of it (``waystation.runtime.recorder.StreamCache``), so it
+reads it first. Routing makes the common case one worker per parent:
 
 * Each agent has ``reply_shards`` shard queues ``P<agent>.replies.<n>`` (durable quorum queues,
   besides its shared ``P<agent>.replies``), and every worker serving the agent consumes all of
@@ -39,9 +39,8 @@ import uuid
 from collections.abc import Iterable
 
 from waystation.events import StoreUnavailable
-
-from .slots import Limit, SlotLeases
-from .wire import Names
+from waystation.protocol.wire import Names
+from waystation.slots import Limit, SlotLeases
 
 __all__ = ["WEIGHT_SPAN", "ReplyRoutes", "home_key", "ranked", "weight"]
 

@@ -36,8 +36,8 @@ reason. Reasons (the ``x-waystation-reason`` header of the dead letter):
                             the ids Waystation derives from it could not be sent; its
                             publisher is told
 ``too-large``, ``unencodable``, ``refused``  a message Waystation published that the broker will
-                            not take (``waystation.flows.undeliverable``): over its size limit,
-                            not encodable in AMQP, or refused (a full queue) for
+                            not take (``waystation.runtime.flows.undeliverable``): over its size
+                            limit, not encodable in AMQP, or refused (a full queue) for
                             ``WAYSTATION_REFUSED_RETRY_SECONDS``
 ==========================  ==============================================================
 """
@@ -49,11 +49,10 @@ from typing import Any
 
 import orjson
 
+from waystation.brokers.metadata import HEADER_UNDECODABLE
+from waystation.brokers.port import Delivery
 from waystation.events.codec import unstorable
-
-from .broker import Delivery
-from .brokers.metadata import HEADER_UNDECODABLE
-from .wire import HEADER_ROOT, HEADER_TRACE, HEADER_TRACEPARENT
+from waystation.protocol.wire import HEADER_ROOT, HEADER_TRACE, HEADER_TRACEPARENT
 
 __all__ = ["Rejection", "inspect"]
 

@@ -15,8 +15,8 @@ worker dead-letters it (``undecodable-metadata``) and the connection stays up.
 
 Nothing here changes how any other connection of the process reads or writes: only a connection
 made with :func:`guarded_connection` goes through it. (The worker's own connection needs no
-wrapper: the frames' dispatcher of ``waystation.brokers.frames`` guards its content headers as it
-decodes them, at no cost to its other frames. This transport serves the connections that do not
+wrapper: the frames' dispatcher of ``waystation.brokers.amqp.frames`` guards its content headers as
+it decodes them, at no cost to its other frames. This transport serves the connections that do not
 go through that dispatcher: the client's, the command line's.)
 """
 
@@ -33,7 +33,7 @@ from aio_pika.abc import AbstractRobustConnection
 from aiormq.connection import TCPTransportFactory, TLSTransportFactory, TransportFactory
 from yarl import URL
 
-from .metadata import guard_content_header
+from waystation.brokers.metadata import guard_content_header
 
 __all__ = ["GuardedReader", "GuardedTransport", "guarded_connection"]
 
@@ -141,7 +141,7 @@ async def guarded_connection(
 ) -> AbstractRobustConnection:
     """A robust connection to ``url`` whose frames are read through a :class:`GuardedReader`;
     with ``reader=False``, aio-pika's own (for a connection whose content headers the frames'
-    dispatcher guards: opened in ``waystation.brokers.frames.context``)."""
+    dispatcher guards: opened in ``waystation.brokers.amqp.frames.context``)."""
     return await aio_pika.connect_robust(
         url,
         client_properties=client_properties,

@@ -1,9 +1,10 @@
 """The worker's flows, one per message kind (docs/internals.md): decide, append, publish, settle.
 
-Each flow takes a delivery and returns what should become of it (``waystation.settle.Settled``);
-the worker settles it afterwards, so that no flow acks before its effect is durable (G1).
+Each flow takes a delivery and returns what should become of it
+(``waystation.runtime.settle.Settled``); the worker settles it afterwards, so that no flow acks
+before its effect is durable (G1).
 
-What each queue takes (``waystation.wire``):
+What each queue takes (``waystation.protocol.wire``):
 
 * ``P<agent>``: ``task`` (:mod:`.task`), ``resume`` (:mod:`.resume`), ``cancel`` (:mod:`.cancel`),
   ``query`` (:mod:`.query`);
@@ -14,10 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..agent import AgentSpec
-from ..broker import Delivery
-from ..settle import Settled, dead
-from ..wire import (
+from waystation.agent import AgentSpec
+from waystation.brokers.port import Delivery
+from waystation.protocol.wire import (
     TYPE_CANCEL,
     TYPE_PROGRESS,
     TYPE_QUERY,
@@ -25,13 +25,14 @@ from ..wire import (
     TYPE_RESUME,
     TYPE_TASK,
 )
-from .base import Flows
-from .cancel import handle_cancel
-from .progress import handle_progress
-from .query import handle_query
-from .reply import handle_reply
-from .resume import handle_resume
-from .task import handle_task
+from waystation.runtime.flows.base import Flows
+from waystation.runtime.flows.cancel import handle_cancel
+from waystation.runtime.flows.progress import handle_progress
+from waystation.runtime.flows.query import handle_query
+from waystation.runtime.flows.reply import handle_reply
+from waystation.runtime.flows.resume import handle_resume
+from waystation.runtime.flows.task import handle_task
+from waystation.runtime.settle import Settled, dead
 
 __all__ = ["KINDS", "Flows", "dispatch", "kind_label"]
 

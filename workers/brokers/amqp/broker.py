@@ -3,21 +3,21 @@
 One robust connection (it reconnects by itself, and restores its channels and consumers), one
 confirming channel for publishing (mandatory, returns raised as errors), one channel for
 consuming with the prefetch of the first consumer. Driver errors are translated at this
-boundary into the port's own (``waystation.broker``).
+boundary into the port's own (``waystation.brokers.port``).
 
 The hot path goes under aio-pika to aiormq, its AMQP layer, where aio-pika's objects cost a
 measured share of a worker's CPU: publishes and acks are aiormq frames, and consumers take
 aiormq's deliveries as they come (:class:`_DirectQueue`). aio-pika still owns the connection,
 the channels and their recovery. The connection opens in a context of its own
-(``waystation.brokers.frames.context``), which its reader inherits, and its publishes and acks are
-marked; the deliveries' handlers run outside it. Its frames, and only its, are decoded through
+(``waystation.brokers.amqp.frames.context``), which its reader inherits, and its publishes and acks
+are marked; the deliveries' handlers run outside it. Its frames, and only its, are decoded through
 the frames' dispatcher, which guards their content headers (a delivery whose metadata cannot be
 decoded costs that message alone, never the connection; without the dispatcher, the guarded
-transport of ``waystation.brokers.transport`` does it), and are encoded and decoded by
-``waystation.brokers.frames`` (the same bytes, faster; ``fast_frames``).
+transport of ``waystation.brokers.amqp.transport`` does it), and are encoded and decoded by
+``waystation.brokers.amqp.frames`` (the same bytes, faster; ``fast_frames``).
 
-The broker can say no (``waystation.broker``): a nack is :class:`PublishRefused`; a message the
-client cannot encode is :class:`Unsendable` before anything is sent; and one over RabbitMQ's
+The broker can say no (``waystation.brokers.port``): a nack is :class:`PublishRefused`; a message
+the client cannot encode is :class:`Unsendable` before anything is sent; and one over RabbitMQ's
 ``max_message_size`` closes the channel it came on (``PRECONDITION_FAILED - message size N is
 larger than configured max size M``), failing every publish under way on it, and a frame sent on
 that channel after its close takes the whole connection down (``CHANNEL_ERROR - expected
@@ -48,10 +48,10 @@ from aio_pika.abc import (
     ConsumerTag,
 )
 
-from waystation.events import OutboxMessage
-
-from .. import topology
-from ..broker import (
+from waystation.brokers.amqp import frames, topology
+from waystation.brokers.amqp.transport import guarded_connection
+from waystation.brokers.metadata import properties_of
+from waystation.brokers.port import (
     Broker,
     BrokerError,
     BrokerUnavailable,
@@ -61,11 +61,9 @@ from ..broker import (
     Unroutable,
     Unsendable,
 )
-from ..policies import wait_step
-from ..wire import Names
-from . import frames
-from .metadata import properties_of
-from .transport import guarded_connection
+from waystation.events import OutboxMessage
+from waystation.policies import wait_step
+from waystation.protocol.wire import Names
 
 __all__ = ["AmqpBroker", "delivery_of"]
 
@@ -236,7 +234,7 @@ class AmqpBroker(Broker):
 
     ``delivery_limit``, ``policy`` (``auto``, ``rabbitmqctl``, ``management`` or ``none``) and
     ``management_url`` (default: derived from ``url``) say how :meth:`declare` applies the
-    deployment's queue policy (``waystation.topology``).
+    deployment's queue policy (``waystation.brokers.amqp.topology``).
     """
 
     def __init__(
@@ -254,7 +252,7 @@ class AmqpBroker(Broker):
         """Whether this connection's frames are read through the frames' dispatcher, which
         guards their content headers (else through the guarded transport)."""
         self.fast_frames = fast_frames and self._dispatched
-        """Whether this connection's frames are coded by ``waystation.brokers.frames``."""
+        """Whether this connection's frames are coded by ``waystation.brokers.amqp.frames``."""
         self._management_url = management_url or topology.management_url_of(url)
         self.connection_name = connection_name
         self._delivery_limit = delivery_limit

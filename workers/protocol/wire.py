@@ -8,13 +8,15 @@ Queues (``P`` is the queue prefix, ``waystation.`` by default):
 
 * ``P<agent>``          quorum queue of an agent's tasks and resumes (the consumer group)
 * ``P<agent>.replies``  quorum queue of the replies to that agent's peer calls
-* ``P<agent>.replies.<n>``  its reply shards (``waystation.routing``): a peer request's ``reply_to``
+* ``P<agent>.replies.<n>``  its reply shards (``waystation.runtime.routing``): a peer request's
+``reply_to``
   names one, so that the replies come back to the worker that paused the task
 * ``P dead-letter``     quorum queue behind the dead-letter exchange ``Pdlx`` (fanout)
 
 Message ``type`` property: on ``P<agent>``: ``task`` (default when absent), ``cancel``,
-``resume`` (internal), ``query`` (what the log records about a task; ``waystation.flows.query``);
-on ``P<agent>.replies``: ``result`` (default when absent), ``progress``.
+``resume`` (internal), ``query`` (what the log records about a task;
+``waystation.runtime.flows.query``); on ``P<agent>.replies``: ``result`` (default when absent),
+``progress``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from waystation import tracing
 from waystation.events import (
     DomainEvent,
     OutboxMessage,
@@ -37,8 +40,6 @@ from waystation.events import (
     TaskState,
 )
 from waystation.events.codec import dumps
-
-from . import tracing
 
 __all__ = [
     "CONTENT_TYPE",
@@ -79,14 +80,14 @@ stopped counting a requeue in ``x-delivery-count``)."""
 
 HEADER_WAITS = "x-waystation-waits"
 """How often this message waited in the broker for a free slot of its agent's ``concurrency`` or
-``rate`` (``waystation.limits``): set by a worker on the copy it sends back instead of running it.
-Waiting is not an attempt; ``HEADER_ATTEMPTS`` goes on unchanged."""
+``rate`` (``waystation.runtime.limits``): set by a worker on the copy it sends back instead of
+running it. Waiting is not an attempt; ``HEADER_ATTEMPTS`` goes on unchanged."""
 
 HEADER_USER = "x-waystation-user"
 """On a copy a worker sends back (a retry, a wait for a slot) or dead-letters: the AMQP user
 that published the original (its ``user_id``), which the copy cannot carry as its own property
 (RabbitMQ checks that against the connection's user). A worker trusts it only on a message whose
-``user_id`` is the workers' own user (``waystation.settle.Settler.received``)."""
+``user_id`` is the workers' own user (``waystation.runtime.settle.Settler.received``)."""
 
 HEADER_REASON = "x-waystation-reason"
 """On a dead letter: why, as a machine-readable code (docs/failures.md)."""
@@ -108,7 +109,7 @@ TYPE_PROGRESS = "progress"
 @dataclass(frozen=True, slots=True)
 class Names:
     """The broker names of one deployment (one queue prefix), with its reply shards
-    (``waystation.routing``; 0: none)."""
+    (``waystation.runtime.routing``; 0: none)."""
 
     prefix: str = "waystation."
     reply_shards: int = 0
@@ -290,8 +291,8 @@ def implied_messages(
 
     ``state`` must describe the task (its agent, origin, trace) as of these events: for a new
     task, the state folded from the ``TaskStarted`` among them. ``reply_to``: where a pause's
-    requests ask for their replies (the recording worker's reply shard, ``waystation.routing``);
-    by default the agent's shared reply queue.
+    requests ask for their replies (the recording worker's reply shard,
+    ``waystation.runtime.routing``); by default the agent's shared reply queue.
     """
     agent = state.agent or ""
     messages: list[OutboxMessage] = []

@@ -23,9 +23,8 @@ from aiormq.abc import FieldTable
 from yarl import URL
 
 from waystation.events.codec import dumps
-
-from .settle import crash_limit
-from .wire import Names
+from waystation.protocol.wire import Names
+from waystation.runtime.settle import crash_limit
 
 __all__ = [
     "amqp_user_of",
@@ -73,8 +72,8 @@ def wait_queue_arguments(milliseconds: int) -> FieldTable:
 def policy_definition(names: Names, delivery_limit: int) -> tuple[str, dict[str, object]]:
     """The policy's pattern and definition (also what compose's definitions file holds).
 
-    Waystation counts attempts and fails a task at its own limits (``waystation.settle``); the
-    broker's ``delivery-limit`` is a backstop past those (a message the workers never get to
+    Waystation counts attempts and fails a task at its own limits (``waystation.runtime.settle``);
+    the broker's ``delivery-limit`` is a backstop past those (a message the workers never get to
     settle at all), set one above the crash limit so that Waystation's own reason comes first.
     """
     dead = re.escape(names.dead_letter_queue)

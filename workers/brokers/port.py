@@ -1,8 +1,8 @@
 """The broker port: the only way a worker reaches RabbitMQ.
 
-A backend (``waystation.brokers.amqp.AmqpBroker`` on aio-pika, ``waystation.brokers.memory`` in
-memory) gives the worker deliveries, publishes with confirms, and settles deliveries. It keeps the
-quorum-queue semantics the worker relies on.
+A backend (``waystation.brokers.amqp.broker.AmqpBroker`` on aio-pika, ``waystation.brokers.memory``
+in memory) gives the worker deliveries, publishes with confirms, and settles deliveries. It keeps
+the quorum-queue semantics the worker relies on.
 
 Contract (the shared suite in ``tests/contract/test_broker.py`` runs it against every backend):
 
@@ -40,7 +40,7 @@ Contract (the shared suite in ``tests/contract/test_broker.py`` runs it against 
 * A delivery's ``broker_count`` is how many times the broker says it was delivered before
   without being settled: RabbitMQ's ``x-delivery-count``, or ``x-acquired-count`` where the broker
   has it (4.3 and later, whose ``x-delivery-count`` no longer counts a requeue or a dropped
-  consumer). Counting a task's attempts does not rest on it alone (``waystation.settle``).
+  consumer). Counting a task's attempts does not rest on it alone (``waystation.runtime.settle``).
 * Quorum-queue policy: a message delivered more than the delivery limit times without being
   settled is dead-lettered by the broker itself through the dead-letter exchange.
 
@@ -66,8 +66,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from waystation.events import OutboxMessage
-
-from .wire import Names
+from waystation.protocol.wire import Names
 
 __all__ = [
     "Broker",

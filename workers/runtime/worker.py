@@ -2,18 +2,19 @@
 
 Every delivery goes through the same four steps (docs/internals.md): **decide** (pure, in
 ``waystation.events.task``), **append** (one statement: the events and the outbox rows they imply,
-see ``waystation.recorder``), **publish** (the implied messages, ``waystation.outbox``), then
-**settle** (``waystation.settle``, the one place that acks, requeues or dead-letters, and only after
-the outcome is durable: G1). What each message kind does is its flow (``waystation.flows``). Peer
-requests exist only as outbox rows of a committed pause until they are published, so no reply can
-overtake its checkpoint (G5); a worker that dies after the commit leaves the rows to the relay of
-any other worker (G4).
+see ``waystation.runtime.recorder``), **publish** (the implied messages,
+``waystation.runtime.outbox``), then **settle** (``waystation.runtime.settle``, the one place that
+acks, requeues or dead-letters, and only after the outcome is durable: G1). What each message kind
+does is its flow (``waystation.runtime.flows``). Peer requests exist only as outbox rows of a
+committed pause until they are published, so no reply can overtake its checkpoint (G5); a worker
+that dies after the commit leaves the rows to the relay of any other worker (G4).
 
-Every worker also sweeps calls past their deadline (G6, ``waystation.sweeper``) and relays
+Every worker also sweeps calls past their deadline (G6, ``waystation.runtime.sweeper``) and relays
 unpublished outbox rows. A message that cannot be used is dead-lettered with its reason (G9,
-``waystation.intake``). The broker is reached only through its port (``waystation.broker``). A run
-of an agent with pool limits (``concurrency``, ``rate``) first takes its slots, and its task
-waits in the broker while they are full (``waystation.limits``).
+``waystation.protocol.intake``). The broker is reached only through its port
+(``waystation.brokers.port``). A run of an agent with pool limits (``concurrency``, ``rate``) first
+takes its slots, and its task waits in the broker while they are full
+(``waystation.runtime.limits``).
 """
 
 from __future__ import annotations
@@ -25,33 +26,32 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from waystation import tracing
+from waystation.agent import AgentSpec, App
+from waystation.brokers.amqp.broker import AmqpBroker
+from waystation.brokers.amqp.topology import amqp_user_of
+from waystation.brokers.port import Broker, BrokerError, BrokerUnavailable, Delivery
 from waystation.events import EventStore, OutboxMessage, StoreUnavailable, parse_subtask_id
 from waystation.events.codec import dumps
 from waystation.events.postgres import PostgresEventStore
-
-from . import tracing
-from .agent import AgentSpec, App
-from .broker import Broker, BrokerError, BrokerUnavailable, Delivery
-from .brokers.amqp import AmqpBroker
-from .faults import FaultPlan
-from .flows import Flows, dispatch, kind_label
-from .flows.reply import handle_unstorable_reply
-from .flows.undeliverable import handle_undeliverable
-from .intake import Rejection, inspect
-from .limits import PoolLimits
-from .logs import log_context
-from .metrics import Health, Metrics
-from .observer import Observer, WorkerStats
-from .outbox import OutboxPublisher
-from .recorder import Recorder, UnreadableStream
-from .routing import ReplyRoutes
-from .settings import Settings
-from .settle import Disposition, Settled, Settler, attempt_of, dead, requeue
-from .slots import SlotLeases
-from .slots.postgres import PostgresSlotLeases
-from .sweeper import DeadlineSweeper
-from .topology import amqp_user_of
-from .wire import TYPE_RESULT, TYPE_RESUME, TYPE_TASK, Names, trace_id_of
+from waystation.logs import log_context
+from waystation.observability.metrics import Health, Metrics
+from waystation.observability.observer import Observer, WorkerStats
+from waystation.protocol.intake import Rejection, inspect
+from waystation.protocol.wire import TYPE_RESULT, TYPE_RESUME, TYPE_TASK, Names, trace_id_of
+from waystation.runtime.faults import FaultPlan
+from waystation.runtime.flows import Flows, dispatch, kind_label
+from waystation.runtime.flows.reply import handle_unstorable_reply
+from waystation.runtime.flows.undeliverable import handle_undeliverable
+from waystation.runtime.limits import PoolLimits
+from waystation.runtime.outbox import OutboxPublisher
+from waystation.runtime.recorder import Recorder, UnreadableStream
+from waystation.runtime.routing import ReplyRoutes
+from waystation.runtime.settle import Disposition, Settled, Settler, attempt_of, dead, requeue
+from waystation.runtime.sweeper import DeadlineSweeper
+from waystation.settings import Settings
+from waystation.slots import SlotLeases
+from waystation.slots.postgres import PostgresSlotLeases
 
 __all__ = ["Worker", "WorkerStats"]
 
@@ -321,7 +321,8 @@ class Worker:
     async def _undeliverable(
         self, message: OutboxMessage, error: BrokerError
     ) -> OutboxMessage | None:
-        """A committed message the broker will not take (``waystation.flows.undeliverable``)."""
+        """A committed message the broker will not take
+        (``waystation.runtime.flows.undeliverable``)."""
         return await handle_undeliverable(self.flows, message, error)
 
     # ---- every delivery ----------------------------------------------------------------------

@@ -13,8 +13,8 @@ effect has committed (G1).
   Waystation counts attempts itself, so the count means the same on every broker version
   (RabbitMQ 4.3 no longer counts a requeue in ``x-delivery-count``).
 * A wait (a run that found no free slot of its agent's ``concurrency`` or ``rate``,
-  ``waystation.limits``) is a copy sent back the same way, after its delay, carrying how often it
-  waited (``x-waystation-waits``) and its failed runs unchanged: waiting is not an attempt.
+  ``waystation.runtime.limits``) is a copy sent back the same way, after its delay, carrying how
+  often it waited (``x-waystation-waits``) and its failed runs unchanged: waiting is not an attempt.
 
 When a copy cannot be published the delivery is requeued instead, so nothing is lost. A copy
 carries the delivery's headers made sendable (``waystation.brokers.metadata.sendable``), and its
@@ -36,10 +36,8 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from waystation.events import OutboxMessage
-from waystation.events.codec import loads
-
-from .broker import (
+from waystation.brokers.metadata import sendable
+from waystation.brokers.port import (
     Broker,
     BrokerError,
     BrokerUnavailable,
@@ -48,10 +46,11 @@ from .broker import (
     Unroutable,
     Unsendable,
 )
-from .brokers.metadata import sendable
-from .intake import Rejection
-from .observer import Observer
-from .wire import (
+from waystation.events import OutboxMessage
+from waystation.events.codec import loads
+from waystation.observability.observer import Observer
+from waystation.protocol.intake import Rejection
+from waystation.protocol.wire import (
     HEADER_ATTEMPTS,
     HEADER_DETAIL,
     HEADER_QUEUE,

@@ -5,13 +5,12 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from waystation.brokers.port import Delivery
 from waystation.events import decide_extension
-
-from ..broker import Delivery
-from ..recorder import Cause
-from ..settle import Settled, ack, dead
-from .base import Flows
-from .reply import subtask_of
+from waystation.runtime.flows.base import Flows
+from waystation.runtime.flows.reply import subtask_of
+from waystation.runtime.recorder import Cause
+from waystation.runtime.settle import Settled, ack, dead
 
 __all__ = ["handle_progress"]
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from waystation.agent import AgentSpec
+from waystation.brokers.port import Delivery
 from waystation.events import TaskState, decide_cancel
-
-from ..agent import AgentSpec
-from ..broker import Delivery
-from ..recorder import Cause
-from ..settle import Settled, ack, dead
-from ..wire import ResultEnvelope, derived_id, result_message
-from .base import Flows
+from waystation.protocol.wire import ResultEnvelope, derived_id, result_message
+from waystation.runtime.flows.base import Flows
+from waystation.runtime.recorder import Cause
+from waystation.runtime.settle import Settled, ack, dead
 
 __all__ = ["MAX_TASK_ID", "handle_cancel"]
 

@@ -3,7 +3,7 @@
 Every path of the worker reports to an :class:`Observer` once (``observer.dead_letter(reason)``)
 instead of bumping a counter and a metric side by side. The observer keeps the plain counters a
 test or a benchmark reads (:class:`WorkerStats`, written to ``WAYSTATION_STATS_FILE`` when the
-worker stops) and updates the Prometheus series (``waystation.metrics``).
+worker stops) and updates the Prometheus series (``waystation.observability.metrics``).
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from waystation import tracing
 from waystation.events import DomainEvent, TaskState
-
-from . import tracing
-from .metrics import Metrics
+from waystation.observability.metrics import Metrics
 
 __all__ = ["FINISHED", "Observer", "WorkerStats"]
 

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Seque
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from waystation.brokers.port import Delivery
 from waystation.events import (
     AppendResult,
     DomainEvent,
@@ -42,13 +43,11 @@ from waystation.events import (
 )
 from waystation.events.chain import recorded_events
 from waystation.events.codec import dumps
-
-from .broker import Delivery
-from .faults import FaultPlan
-from .logs import add_to_context
-from .observer import FINISHED, Observer
-from .outbox import OutboxPublisher
-from .wire import TYPE_RESUME, Names, implied_messages, with_attempts
+from waystation.logs import add_to_context
+from waystation.observability.observer import FINISHED, Observer
+from waystation.protocol.wire import TYPE_RESUME, Names, implied_messages, with_attempts
+from waystation.runtime.faults import FaultPlan
+from waystation.runtime.outbox import OutboxPublisher
 
 __all__ = [
     "MAX_CONFLICT_RETRIES",
@@ -394,7 +393,8 @@ class Recorder:
     ) -> None:
         self.reply_to = reply_to
         """Where the requests of a pause of an agent's task ask for their replies (this
-        worker's reply shard, ``waystation.routing``); None: the agent's shared reply queue."""
+        worker's reply shard, ``waystation.runtime.routing``); None: the agent's shared reply
+        queue."""
         self.stopping = stopping
         """True once the worker is stopping: an append then gives up on an outage."""
         self.store = store
@@ -513,7 +513,7 @@ class Recorder:
         committing it again would only find them again, forever.
 
         ``extend`` may add to a decision before it is appended (the resumed run's outcome, see
-        ``waystation.flows.reply``); it runs again with every re-decision.
+        ``waystation.runtime.flows.reply``); it runs again with every re-decision.
 
         ``combine``: decisions on one stream that wait for its lock meanwhile (a parent's replies
         arriving together) are recorded by whichever of them takes the lock first, in one

@@ -11,13 +11,12 @@ import logging
 import time
 from typing import Any
 
+from waystation.agent import AgentSpec
+from waystation.brokers.port import Delivery
 from waystation.events import InvalidTransition, Pause, VersionConflict, decide_outcome
-
-from ..agent import AgentSpec
-from ..broker import Delivery
-from ..recorder import MAX_CONFLICT_RETRIES, Cause
-from ..settle import Settled, ack, dead
-from .base import Flows, resume_context
+from waystation.runtime.flows.base import Flows, resume_context
+from waystation.runtime.recorder import MAX_CONFLICT_RETRIES, Cause
+from waystation.runtime.settle import Settled, ack, dead
 
 __all__ = ["handle_resume"]
 

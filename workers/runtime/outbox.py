@@ -7,12 +7,12 @@ Confirmed rows are forgotten in batches. Rows whose writer died, or whose publis
 visible to every worker's relay after ``outbox_delay`` and are published from there; messages
 carry deterministic ids, so a receiver recognises the copy it may get twice.
 
-Each row's fate is its own (the broker can say no, ``waystation.broker``): a row whose connection
-went is tried again soon; one the broker refused (a full queue that rejects publishes) is tried
-again with backoff, counting its refusals in the row; one that can never pass (no queue takes
+Each row's fate is its own (the broker can say no, ``waystation.brokers.port``): a row whose
+connection went is tried again soon; one the broker refused (a full queue that rejects publishes) is
+tried again with backoff, counting its refusals in the row; one that can never pass (no queue takes
 it, it is too large, it cannot be encoded), or that was refused for ``refused_for`` seconds, is
-handed to ``on_undeliverable`` (``waystation.flows.undeliverable``: dead-lettered with its reason,
-its task answered) and then forgotten. No row ever holds up another.
+handed to ``on_undeliverable`` (``waystation.runtime.flows.undeliverable``: dead-lettered with its
+reason, its task answered) and then forgotten. No row ever holds up another.
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ import logging
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 
+from waystation.brokers.port import Broker, BrokerError, PublishRefused, Unroutable, Unsendable
 from waystation.events import EventStore, OutboxEntry, OutboxMessage
-
-from .broker import Broker, BrokerError, PublishRefused, Unroutable, Unsendable
-from .observer import Observer
-from .policies import Backoff
+from waystation.observability.observer import Observer
+from waystation.policies import Backoff
 
 __all__ = ["REFUSED_BACKOFF", "OutboxPublisher"]
 

@@ -19,6 +19,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from waystation.agent import AgentSpec, TaskContext
+from waystation.brokers.port import Delivery, PublishRefused
 from waystation.events import (
     MAX_TASK_ID_BYTES,
     Complete,
@@ -29,19 +31,16 @@ from waystation.events import (
     VersionConflict,
     decide_outcome,
 )
-
-from ..agent import AgentSpec, TaskContext
-from ..broker import Delivery, PublishRefused
-from ..recorder import Cause
-from ..settle import Settled, ack, dead, sent_again
-from ..wire import (
+from waystation.protocol.wire import (
     HEADER_ROOT,
     HEADER_TRACE,
     ResultEnvelope,
     result_message,
     trace_id_of,
 )
-from .base import Flows, invalid_fields, typed_input
+from waystation.runtime.flows.base import Flows, invalid_fields, typed_input
+from waystation.runtime.recorder import Cause
+from waystation.runtime.settle import Settled, ack, dead, sent_again
 
 __all__ = ["handle_task", "recorded_outcome"]
 

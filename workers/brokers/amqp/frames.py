@@ -522,7 +522,9 @@ def install() -> bool:
         return True
     if not _layout_matches():
         return False
-    from .metadata import guard_content_header  # (it uses this module: imported once here)
+    from waystation.brokers.metadata import (
+        guard_content_header,  # (it uses this module: imported once here)
+    )
 
     _guard = guard_content_header
     pamqp.frame.marshal = _dispatched_marshal

@@ -1,7 +1,7 @@
 """A committed message the broker will not take: it costs that message alone (G4, G9).
 
-The outbox publishes what committed events imply (``waystation.outbox``). When the broker says no
-for good to one of them (no queue takes it: ``unroutable``; it can never be sent as it is:
+The outbox publishes what committed events imply (``waystation.runtime.outbox``). When the broker
+says no for good to one of them (no queue takes it: ``unroutable``; it can never be sent as it is:
 ``too-large``, ``unencodable``; or it kept refusing it for ``WAYSTATION_REFUSED_RETRY_SECONDS``:
 ``refused``), the message is kept as a dead letter with that reason, and its task gets a
 terminal answer where one can still be given:
@@ -23,14 +23,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from waystation.brokers.port import BrokerError, PublishRefused, Unroutable, Unsendable
 from waystation.events import OutboxMessage, decide_failure, decide_reply, parse_subtask_id
 from waystation.events.codec import loads
-
-from ..broker import BrokerError, PublishRefused, Unroutable, Unsendable
-from ..recorder import Cause
-from ..settle import unsendable_answer
-from ..wire import TYPE_RESUME, TYPE_TASK
-from .base import Flows
+from waystation.protocol.wire import TYPE_RESUME, TYPE_TASK
+from waystation.runtime.flows.base import Flows
+from waystation.runtime.recorder import Cause
+from waystation.runtime.settle import unsendable_answer
 
 __all__ = ["handle_undeliverable"]
 

@@ -15,9 +15,9 @@ from typing import Any
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 
-from .brokers.metadata import sendable
-from .brokers.transport import guarded_connection
-from .wire import HEADER_DETAIL, HEADER_QUEUE, HEADER_REASON, Names
+from waystation.brokers.amqp.transport import guarded_connection
+from waystation.brokers.metadata import sendable
+from waystation.protocol.wire import HEADER_DETAIL, HEADER_QUEUE, HEADER_REASON, Names
 
 __all__ = ["DeadLetter", "browse", "replay"]
 

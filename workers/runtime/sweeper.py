@@ -17,10 +17,9 @@ import logging
 from collections.abc import Callable
 
 from waystation.events import EventStore, ExpiredCall, decide_timeout
-
-from .logs import log_context
-from .observer import Observer
-from .recorder import Cause, Recorder, UnreadableStream
+from waystation.logs import log_context
+from waystation.observability.observer import Observer
+from waystation.runtime.recorder import Cause, Recorder, UnreadableStream
 
 __all__ = ["DeadlineSweeper"]
 

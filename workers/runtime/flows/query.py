@@ -18,16 +18,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from waystation.agent import AgentSpec
+from waystation.brokers.port import Delivery
 from waystation.events import TaskState
 from waystation.events.codec import loads
-
-from ..agent import AgentSpec
-from ..broker import Delivery
-from ..settle import Settled, ack, dead
-from ..wire import ResultEnvelope, derived_id, result_message
-from .base import Flows
-from .cancel import MAX_TASK_ID
-from .task import recorded_outcome
+from waystation.protocol.wire import ResultEnvelope, derived_id, result_message
+from waystation.runtime.flows.base import Flows
+from waystation.runtime.flows.cancel import MAX_TASK_ID
+from waystation.runtime.flows.task import recorded_outcome
+from waystation.runtime.settle import Settled, ack, dead
 
 __all__ = ["handle_query", "query_answer"]
 

@@ -34,9 +34,9 @@ at once, and rounded up to a wait queue's step.
 
 **No task lost, none recorded twice.** A worker that dies between the broker's confirm of the
 copy and the ack of the original leaves two messages of one task. Like a retry's copy, a waiting
-copy is taken as possibly handled before (``waystation.settle.sent_again``): the task is looked up
-in the log before it runs, and its completion is recorded, so only one outcome stands and its
-publisher gets one answer (the handler may run twice in that window, as after any crash: G1).
+copy is taken as possibly handled before (``waystation.runtime.settle.sent_again``): the task is
+looked up in the log before it runs, and its completion is recorded, so only one outcome stands and
+its publisher gets one answer (the handler may run twice in that window, as after any crash: G1).
 
 **Cost.** An agent without limits pays nothing: not one statement. A limited one pays a
 statement to take its slots (and once per worker one to create them), one to give a ``runs``
@@ -62,9 +62,9 @@ import random
 import uuid
 from dataclasses import dataclass
 
-from .agent import AgentSpec
-from .observer import Observer
-from .slots import Limit, Refusal, SlotLeases
+from waystation.agent import AgentSpec
+from waystation.observability.observer import Observer
+from waystation.slots import Limit, Refusal, SlotLeases
 
 __all__ = ["FIRST_WAIT", "UNLIMITED", "Admission", "PoolLimits", "Wait"]
 

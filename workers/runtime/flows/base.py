@@ -15,6 +15,9 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from waystation import tracing
+from waystation.agent import AgentSpec, App, TaskContext
+from waystation.brokers.port import Broker, Delivery
 from waystation.events import (
     Complete,
     InvalidTransition,
@@ -25,18 +28,23 @@ from waystation.events import (
     decide_failure,
 )
 from waystation.events.codec import dumps, loads
-
-from .. import tracing
-from ..agent import AgentSpec, App, TaskContext
-from ..broker import Broker, Delivery
-from ..faults import FaultPlan
-from ..limits import UNLIMITED, Admission, PoolLimits
-from ..observer import Observer
-from ..policies import Backoff, Permanent, TimeLimitExceeded
-from ..recorder import Cause, Recorder
-from ..settings import Settings
-from ..settle import Settled, Settler, attempt_of, crash_limit, dead, retry, wait, waits_of
-from ..wire import Names, ResultEnvelope, result_message
+from waystation.observability.observer import Observer
+from waystation.policies import Backoff, Permanent, TimeLimitExceeded
+from waystation.protocol.wire import Names, ResultEnvelope, result_message
+from waystation.runtime.faults import FaultPlan
+from waystation.runtime.limits import UNLIMITED, Admission, PoolLimits
+from waystation.runtime.recorder import Cause, Recorder
+from waystation.runtime.settle import (
+    Settled,
+    Settler,
+    attempt_of,
+    crash_limit,
+    dead,
+    retry,
+    wait,
+    waits_of,
+)
+from waystation.settings import Settings
 
 __all__ = [
     "DeliveryLimitReached",
@@ -146,7 +154,7 @@ class Flows:
     threads: Executor | None = None
     """Where plain ``def`` handlers run (None: the event loop's default executor)."""
     limits: PoolLimits | None = None
-    """The pool's limits, when an agent of the app declares one (``waystation.limits``)."""
+    """The pool's limits, when an agent of the app declares one (``waystation.runtime.limits``)."""
 
     def default_timeout(self, spec: AgentSpec) -> float:
         return spec.default_timeout or self.settings.default_call_timeout
@@ -166,9 +174,9 @@ class Flows:
 
     async def admit(self, spec: AgentSpec, delivery: Delivery, task_id: str) -> Admission | Settled:
         """The slots of a run of ``task_id`` when its agent has pool limits
-        (``waystation.limits``); when one is full, what becomes of ``delivery`` instead: it waits in
-        the broker, its attempts untouched. An agent without limits is admitted at once, and so
-        is a delivery out of attempts (it fails without running)."""
+        (``waystation.runtime.limits``); when one is full, what becomes of ``delivery`` instead: it
+        waits in the broker, its attempts untouched. An agent without limits is admitted at once,
+        and so is a delivery out of attempts (it fails without running)."""
         if self.limits is None or not spec.limited or self.out_of_attempts(delivery):
             return UNLIMITED
         found = await self.limits.admit(spec, task_id, waits_of(delivery))

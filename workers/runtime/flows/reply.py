@@ -23,6 +23,7 @@ import time
 import uuid
 from typing import Any, Literal
 
+from waystation.brokers.port import Delivery
 from waystation.events import (
     DomainEvent,
     InvalidTransition,
@@ -39,14 +40,12 @@ from waystation.events import (
 )
 from waystation.events.chain import recorded_events
 from waystation.events.task import MAX_IGNORED_REPLIES, over_ignored_limit
-
-from ..broker import Delivery
-from ..intake import Rejection
-from ..policies import Permanent
-from ..recorder import Applied, Cause, Extension
-from ..settle import Settled, ack, dead
-from ..wire import ResultEnvelope
-from .base import Flows, error_of, resume_context
+from waystation.policies import Permanent
+from waystation.protocol.intake import Rejection
+from waystation.protocol.wire import ResultEnvelope
+from waystation.runtime.flows.base import Flows, error_of, resume_context
+from waystation.runtime.recorder import Applied, Cause, Extension
+from waystation.runtime.settle import Settled, ack, dead
 
 __all__ = ["handle_reply", "handle_unstorable_reply", "subtask_of"]
 
@@ -169,12 +168,13 @@ async def _resume_in_place(
     None leaves the decision as it was (``TaskResumed`` and a resume message, which any instance
     serving the agent takes): when resuming in place is off, when this worker does not serve
     the task's agent, or when the agent has pool limits (its resumed run must take its slots,
-    and wait in the broker when they are full, as every run of it does: ``waystation.limits``).
-    A run that fails is judged by the agent's policy, as any run is: an error that trying again
-    cannot help (``Permanent``, an outcome that can never be recorded), or an agent that allows
-    no retry, fails the task in this same append; otherwise the decision stays, and its resume
-    message counts that failed run and waits the agent's first backoff in the broker, so that
-    the retries and the final failure follow the resume path within the agent's attempts.
+    and wait in the broker when they are full, as every run of it does:
+    ``waystation.runtime.limits``). A run that fails is judged by the agent's policy, as any run is:
+    an error that trying again cannot help (``Permanent``, an outcome that can never be recorded),
+    or an agent that allows no retry, fails the task in this same append; otherwise the decision
+    stays, and its resume message counts that failed run and waits the agent's first backoff in the
+    broker, so that the retries and the final failure follow the resume path within the agent's
+    attempts.
     """
     if not (flows.settings.resume_in_place and events and isinstance(events[-1], TaskResumed)):
         return None
