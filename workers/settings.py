@@ -85,7 +85,8 @@ class Settings(BaseSettings):
     refused_retry_seconds: float = Field(default=600.0, ge=0)
     """How long a message the broker keeps refusing (a full queue with ``x-overflow:
     reject-publish``, a nack) is tried again, with backoff, before it is dead-lettered as
-    ``refused`` and its task answered (s). A message that can never pass (too large, not
+    ``refused`` and its task answered (s; counted from its first refusal, as the sum of its
+    backoff waits). A message that can never pass (too large, not
     encodable, no queue) is dead-lettered at once."""
     projection_batch_size: int = Field(default=1000, ge=1)
     """Events a projection runner applies per transaction."""

@@ -27,7 +27,7 @@ from waystation.events import EventStore, OutboxEntry, OutboxMessage
 from waystation.observability.observer import Observer
 from waystation.policies import Backoff
 
-__all__ = ["REFUSED_BACKOFF", "OutboxPublisher"]
+__all__ = ["REFUSED_BACKOFF", "OutboxPublisher", "refused_for"]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,14 @@ RELAY_LEASE = 30.0
 FORGET_INTERVAL = 0.2
 REFUSED_BACKOFF = Backoff(initial=1.0, factor=2.0, maximum=60.0)
 """The wait before a refused row is tried again, by its number of refusals."""
+
+
+def refused_for(refusals: int) -> float:
+    """Seconds a row's ``refusals`` so far have made it wait (the backoff after each): how long
+    the broker has refused it, counted from its first refusal, not from when it was written (a
+    row that waited in the outbox for another reason and is then refused once is tried again)."""
+    return sum(REFUSED_BACKOFF.delay(n) for n in range(1, refusals + 1))
+
 
 Undeliverable = Callable[[OutboxMessage, BrokerError], Awaitable[OutboxMessage | None]]
 
@@ -155,7 +163,7 @@ class OutboxPublisher:
                 await self._undeliverable(row, error)
             elif isinstance(error, PublishRefused):
                 self.observer.refused(error.reason)
-                if row.age >= self.refused_for:
+                if refused_for(row.refusals) >= self.refused_for:
                     await self._undeliverable(row, error)
                 else:
                     delay = REFUSED_BACKOFF.delay(row.refusals + 1)
