@@ -14,7 +14,7 @@ import pytest
 
 from waystation.events import GENESIS_HASH, NewEvent, RecordedEvent, TaskStarted, TaskState, fold
 from waystation.events.memory import InMemoryEventStore
-from waystation.runtime import recorder as recorder_module
+from waystation.runtime import combining, streams
 from waystation.runtime.recorder import Applied, Cause, Recorder
 
 from .test_recorder_catch_up import recorder_without_outbox
@@ -101,7 +101,8 @@ async def test_the_copy_counted_on_is_folded_once(monkeypatch: pytest.MonkeyPatc
         folds.append(len(events))
         return fold(task_id, events)
 
-    monkeypatch.setattr(recorder_module, "fold", counted)
+    monkeypatch.setattr(streams, "fold", counted)
+    monkeypatch.setattr(combining, "fold", counted)
     seen: list[TaskState] = []
     decisions = [_decision(recorder, seen) for _ in range(3)]
     await asyncio.gather(*decisions)
@@ -152,11 +153,11 @@ async def test_nothing_waits_while_the_worker_stops_or_when_one_is_expected() ->
 async def test_nothing_waits_for_more_than_a_consumer_can_hold_at_once() -> None:
     # with a prefetch of 2, the third of 3 replies cannot arrive before the first are settled
     recorder = await _recorder(FOREVER)
-    recorder.gather_limit = 2
+    recorder.combiner.gather_limit = 2
     await _decision(recorder, [], expected=3)
     assert "decisions_gathered" not in recorder.observer.stats.counters
     recorder = await _recorder(FOREVER)
-    recorder.gather_limit = 3
+    recorder.combiner.gather_limit = 3
     decisions = [_decision(recorder, [], expected=3) for _ in range(3)]
     await asyncio.gather(*decisions)
     assert recorder.observer.stats.counters["decisions_gathered"] == 3

@@ -9,8 +9,8 @@ import pytest
 from waystation.events import GENESIS_HASH, NewEvent, RecordedEvent, TaskState, fold
 from waystation.events.chain import recorded_events
 from waystation.events.codec import dumps
-from waystation.runtime import recorder as recorder_module
-from waystation.runtime.recorder import StreamCache
+from waystation.runtime import streams
+from waystation.runtime.streams import StreamCache
 
 
 def stream(count: int, pad: int = 10, stream_id: str = "s") -> list[RecordedEvent]:
@@ -107,7 +107,7 @@ def test_a_copy_is_folded_once_whoever_asks(monkeypatch: pytest.MonkeyPatch) -> 
         folds.append(len(events))
         return fold(stream_id, events)
 
-    monkeypatch.setattr(recorder_module, "fold", counted)
+    monkeypatch.setattr(streams, "fold", counted)
     cache = StreamCache()
     copy = stream(3)
     cache.put("s", copy, finished=False)

@@ -44,6 +44,7 @@ from waystation.runtime.flows import Flows, dispatch, kind_label
 from waystation.runtime.flows.reply import handle_unstorable_reply
 from waystation.runtime.flows.undeliverable import handle_undeliverable
 from waystation.runtime.limits import PoolLimits
+from waystation.runtime.outages import Outages
 from waystation.runtime.outbox import OutboxPublisher
 from waystation.runtime.recorder import Recorder, UnreadableStream
 from waystation.runtime.routing import ReplyRoutes
@@ -388,26 +389,20 @@ class Worker:
         """Run ``flow``; when a service it needs is out, wait and run it again (not the
         message's fault: retrying in place does not burn its delivery limit). A commit retries
         its own append (``Recorder.commit``), so a handler that already ran is not run again."""
-        backoff = 0.1
+        outages = Outages(self.observer)
         while True:
             try:
                 return await flow()
             except StoreUnavailable as error:
                 if self._stopping:
                     return requeue()
-                log.warning("event log unavailable (%s); retrying in %.1fs", error, backoff)
-                self.observer.outage("database")
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                await outages.wait("database", error)
             except BrokerUnavailable as error:
                 # the broker connection is being restored
                 if self._stopping or not self.broker.settleable(delivery):
                     # its own delivery died with the channel: it is redelivered anyway
                     return requeue()
-                log.warning("broker unavailable (%s); retrying in %.1fs", error, backoff)
-                self.observer.outage("broker")
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                await outages.wait("broker", error)
             except UnreadableStream as error:
                 # a rolling upgrade: leave it to a worker that can read it. Each requeue counts
                 # toward the delivery limit, after which it is dead-lettered (replay it once

@@ -20,6 +20,7 @@ from typing import Any
 
 import waystation.brokers.port
 import waystation.events.task
+import waystation.runtime.combining
 import waystation.runtime.flows
 import waystation.runtime.flows.base
 import waystation.runtime.flows.cancel
@@ -44,7 +45,6 @@ from waystation.events import (
     TaskState,
     decide_cancel,
     decide_failure,
-    decide_outcome,
     decide_reply,
     decide_timeout,
     fold,
@@ -329,15 +329,7 @@ async def _resume_in_place_handing_every_failure_over(
     )
     try:
         outcome = await flows.run_handler(spec, resume_context(spec, resumed))
-        following = decide_outcome(
-            resumed,
-            outcome,
-            now=flows.clock(),
-            default_timeout=flows.default_timeout(spec),
-            max_timeout=flows.settings.max_call_duration,
-            max_state_bytes=flows.settings.max_state_bytes,
-            max_value_bytes=flows.max_value_bytes,
-        )
+        following = flows.decide_outcome(resumed, outcome, spec)
     except InvalidTransition as error:
         failed = [*events, *decide_failure(resumed, error_of(error))]
         return waystation.runtime.recorder.Extension(
@@ -362,7 +354,10 @@ MUTATIONS: dict[str, list[Patch]] = {
         (waystation.runtime.flows.base.Flows, "answer_cancelled_before_start", _tell_nobody)
     ],
     # e: a handler ran in place on a stale copy of its stream
-    "e-stale-cache": [(waystation.runtime.recorder, "resumes", lambda events: False)],
+    "e-stale-cache": [
+        (waystation.runtime.recorder, "resumes", lambda events: False),
+        (waystation.runtime.combining, "resumes", lambda events: False),
+    ],
     # f: an answer to a queue that is gone failed the flow, which re-ran the handler
     "f-unroutable-answer": [
         (waystation.runtime.settle.Settler, "answer", _answer_by_plain_publish)

@@ -20,12 +20,14 @@ from waystation.agent import AgentSpec, App, TaskContext
 from waystation.brokers.port import Broker, Delivery
 from waystation.events import (
     Complete,
+    DomainEvent,
     InvalidTransition,
     Outcome,
     Pause,
     TaskStarted,
     TaskState,
     decide_failure,
+    decide_outcome,
 )
 from waystation.events.codec import dumps, loads
 from waystation.observability.observer import Observer
@@ -158,6 +160,22 @@ class Flows:
 
     def default_timeout(self, spec: AgentSpec) -> float:
         return spec.default_timeout or self.settings.default_call_timeout
+
+    def decide_outcome(
+        self, state: TaskState, outcome: Outcome, spec: AgentSpec, **options: Any
+    ) -> list[DomainEvent]:
+        """``waystation.events.task.decide_outcome`` within this pool's settings and ``spec``'s
+        default timeout (``options``: the rest of its arguments)."""
+        return decide_outcome(
+            state,
+            outcome,
+            now=self.clock(),
+            default_timeout=self.default_timeout(spec),
+            max_timeout=self.settings.max_call_duration,
+            max_state_bytes=self.settings.max_state_bytes,
+            max_value_bytes=self.max_value_bytes,
+            **options,
+        )
 
     @property
     def max_value_bytes(self) -> int:

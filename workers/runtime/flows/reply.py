@@ -33,7 +33,6 @@ from waystation.events import (
     TaskResumed,
     TaskState,
     decide_failure,
-    decide_outcome,
     decide_reply,
     fold,
     parse_subtask_id,
@@ -193,15 +192,7 @@ async def _resume_in_place(
         outcome = await flows.run_handler(spec, resume_context(spec, resumed))
         returned_at = time.perf_counter()
         flows.faults.hit("resume.in-place")
-        following = decide_outcome(
-            resumed,
-            outcome,
-            now=flows.clock(),
-            default_timeout=flows.default_timeout(spec),
-            max_timeout=flows.settings.max_call_duration,
-            max_state_bytes=flows.settings.max_state_bytes,
-            max_value_bytes=flows.max_value_bytes,
-        )
+        following = flows.decide_outcome(resumed, outcome, spec)
     except Exception as error:
         # the first run of this step: the agent's policy decides, as for any other run
         attempts = spec.attempts(flows.settings.delivery_limit)

@@ -29,7 +29,6 @@ from waystation.events import (
     TaskStarted,
     TaskState,
     VersionConflict,
-    decide_outcome,
 )
 from waystation.protocol.wire import (
     HEADER_ROOT,
@@ -112,20 +111,16 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
             raise spent
         outcome = await flows.run_handler(spec, context, admission)
         returned_at = time.perf_counter()
-        events = decide_outcome(
+        events = flows.decide_outcome(
             state,
             outcome,
-            now=flows.clock(),
-            default_timeout=flows.default_timeout(spec),
+            spec,
             start=start,
             # a completion is recorded with auditing on, and when this delivery is a retry, a
             # wait's copy or a redelivery: another run of the same task (the copy a dying
             # worker left, or the run that died) may be failing or answering meanwhile, and
             # only the log can settle which answer stands
             record_completion=flows.settings.audit_all_tasks or again,
-            max_timeout=flows.settings.max_call_duration,
-            max_state_bytes=flows.settings.max_state_bytes,
-            max_value_bytes=flows.max_value_bytes,
         )
     except Exception as error:
         return await flows.handler_failed(delivery, state, error, start=start, spec=spec)

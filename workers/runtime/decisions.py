@@ -1,0 +1,103 @@
+"""What a recorded decision is made of, shared by the recorder (a decision alone) and the
+combiner (decisions together): its cause, what it applied, how a resumed run extends it, and a
+decision made ready to append."""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from waystation.brokers.port import Delivery
+from waystation.events import (
+    DomainEvent,
+    NewEvent,
+    OutboxMessage,
+    TaskResumed,
+    TaskState,
+)
+
+__all__ = [
+    "MAX_CONFLICT_RETRIES",
+    "Applied",
+    "Cause",
+    "Decide",
+    "Extend",
+    "Extension",
+    "Key",
+    "Part",
+    "UnreadableStream",
+    "resumes",
+]
+
+MAX_CONFLICT_RETRIES = 50
+
+
+class UnreadableStream(Exception):
+    """A task's stream holds events this worker cannot read (a newer version wrote them)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Cause:
+    """What made the worker append: recorded as the events' causation and actor."""
+
+    message_id: str | None = None
+    amqp_user: str | None = None
+
+    @classmethod
+    def of(cls, delivery: Delivery) -> Cause:
+        return cls(delivery.message_id or delivery.correlation_id, delivery.user_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    state: TaskState
+    """The state the decision was taken on."""
+    events: list[DomainEvent]
+    """What was appended; [] when there was nothing to do."""
+    checkpoint_started: float | None = None
+    """perf_counter() when a handler run in place returned a pause."""
+
+
+@dataclass(frozen=True, slots=True)
+class Extension:
+    """What an ``extend`` hook adds to a decision: the events to append instead, with when the
+    handler that produced them returned a pause and when the resume was decided."""
+
+    events: list[DomainEvent]
+    checkpoint_started: float | None
+    resumed_at: float | None
+    """None when the run in place failed (the decision goes on by resume message)."""
+    failed_runs: int = 0
+    retry_delay: float = 0.0
+    """With ``failed_runs``: the agent's backoff, which the resume message waits in the broker."""
+    made: Sequence[NewEvent] = ()
+    """The first of ``events`` as already made ready to append (:meth:`Recorder.new_events`,
+    under the decision's causation key), given again instead of made anew: chained once."""
+
+
+Extend = Callable[[TaskState, list[DomainEvent], str], Coroutine[Any, Any, Extension | None]]
+"""``extend(state, events, causation_key)``: what to append instead of a decision's ``events``
+on ``state``, recorded under ``causation_key`` (None: the decision as it is)."""
+Decide = Callable[[TaskState], list[DomainEvent]]
+Key = Callable[[list[DomainEvent]], str]
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One decision ready to append (``Recorder.part``)."""
+
+    state: TaskState
+    """The state it was decided on."""
+    events: list[DomainEvent]
+    new_events: list[NewEvent]
+    messages: list[OutboxMessage]
+    context: contextvars.Context | None = None
+    """The context of the delivery it answers, when another one's task records it: its spans
+    are recorded there (their parent is that delivery's, not the recording one's)."""
+
+
+def resumes(events: Sequence[DomainEvent]) -> bool:
+    """Whether a decision resumes its task (so a handler may run on it)."""
+    return bool(events) and isinstance(events[-1], TaskResumed)
