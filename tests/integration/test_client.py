@@ -8,6 +8,8 @@ straight to its reply queue, as any worker would.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 
 import aio_pika
@@ -89,3 +91,29 @@ async def test_several_waits_for_one_task_all_get_its_result_whichever_give_up(
     assert [(await w).result for w in (patient, bounded)] == ["done", "done"]
     assert client._waiters == {}
     assert (await client.result("shared", 0)).result == "done"
+
+
+def test_after_the_client_connects_pamqps_functions_are_pamqps_own(services: Services) -> None:
+    """The client reads its frames through a guard of its own connection's transport; nothing of
+    pamqp (nor of aiormq, which calls it for every frame) is replaced in the process, so a
+    user's own aio-pika code beside it is untouched. (A fresh process: a worker's broker in this
+    test session installs the frames' dispatcher.)"""
+    code = (
+        "import asyncio, sys, pamqp.frame\n"
+        "marshal, unmarshal = pamqp.frame.marshal, pamqp.frame.unmarshal\n"
+        "from waystation import Client\n"
+        "async def main():\n"
+        "    async with Client(sys.argv[1], queue_prefix='pamqp-own.') as client:\n"
+        "        assert client._connection is not None and not client._connection.is_closed\n"
+        "        own = pamqp.frame.marshal is marshal and pamqp.frame.unmarshal is unmarshal\n"
+        "    print('own' if own else 'replaced')\n"
+        "asyncio.run(main())\n"
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", code, services.amqp_url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.strip()
+    assert shown == "own"

@@ -49,6 +49,7 @@ from aio_pika.abc import (
 )
 
 from waystation.brokers.amqp import frames, topology
+from waystation.brokers.amqp._private import remember_consumer, write_frame
 from waystation.brokers.amqp.transport import guarded_connection
 from waystation.brokers.metadata import properties_of
 from waystation.brokers.port import (
@@ -210,8 +211,13 @@ class _DirectQueue(aio_pika.RobustQueue):
         if result.consumer_tag is None:  # (as aio-pika checks)
             raise RuntimeError("the broker gave no consumer tag")
         if robust:  # what aio-pika's robust queue restores on reconnecting
-            self._consumers[result.consumer_tag] = dict(
-                callback=callback, no_ack=no_ack, exclusive=exclusive, arguments=arguments
+            remember_consumer(
+                self,
+                result.consumer_tag,
+                callback=callback,
+                no_ack=no_ack,
+                exclusive=exclusive,
+                arguments=arguments,
             )
         return result.consumer_tag
 
@@ -498,13 +504,10 @@ class AmqpBroker(Broker):
                     frames=[aiormq.spec.Basic.Ack(delivery_tag=tag) for tag in acks.tags],
                     drain_future=acks.written,
                 )
-            queue = channel.connection.write_queue
-            try:
-                queue.put_nowait(frame)
-            except asyncio.QueueFull:  # the writer is behind: wait for room, as aiormq would
-                task = asyncio.ensure_future(queue.put(frame))
-                self._sending.add(task)
-                task.add_done_callback(self._sending.discard)
+            waiting = write_frame(channel, frame)
+            if waiting is not None:  # the writer is behind: kept until it has room
+                self._sending.add(waiting)
+                waiting.add_done_callback(self._sending.discard)
         except Exception as error:  # a callback's error would reach no one: the acks get it
             if not acks.written.done():
                 acks.written.set_exception(error)
