@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field, ValidationError
 from waystation.agent import App, TaskContext
 from waystation.events import Call, Complete, InvalidTransition, Outcome, Pause
 from waystation.logs import current_context, log_context
-from waystation.runtime.flows.base import Flows, invalid_fields, typed_input
+from waystation.runtime.flows.base import Steps, invalid_fields, typed_input
 
 
 class Order(BaseModel):
@@ -33,9 +33,9 @@ def context(value: Any = None) -> TaskContext:
     return TaskContext(task_id="t", agent="a", input=value)
 
 
-def flows(threads: ThreadPoolExecutor | None = None) -> Flows:
-    """Flows with only what ``run_handler`` uses."""
-    return Flows(*([None] * 9), threads)  # type: ignore[arg-type, call-arg]
+def flows(threads: ThreadPoolExecutor | None = None) -> Steps:
+    """Steps with only what ``run_handler`` uses."""
+    return Steps(*([None] * 9), threads)  # type: ignore[arg-type, call-arg]
 
 
 def test_a_coroutine_function_is_async_and_a_plain_function_is_blocking() -> None:

@@ -63,4 +63,3 @@ async def test_write_frame_queues_it_or_waits_for_room() -> None:
     assert full.connection.write_queue.get_nowait() == "ahead"
     await waiting
     assert full.connection.write_queue.get_nowait() is frame
-

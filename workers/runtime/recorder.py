@@ -303,7 +303,7 @@ class Recorder:
     async def _through_outages(self, operation: Callable[[], Awaitable[T]]) -> T:
         """Run ``operation``; through an outage of the log, run it again until the log answers
         (or the worker stops). The flow around it stands: a handler that already ran is not
-        run again (defect k), and an append that did commit before its connection dropped is
+        run again, and an append that did commit before its connection dropped is
         recognised as a duplicate when repeated."""
         outages = Outages(self.observer)
         while True:

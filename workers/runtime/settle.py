@@ -1,7 +1,7 @@
 """The one place that settles a delivery: ack, retry, requeue or dead-letter, once its outcome is
 durable.
 
-Flows never ack: each returns a :class:`Settled` saying what should become of its delivery, and the
+Steps never ack: each returns a :class:`Verdict` saying what should become of its delivery, and the
 worker hands it to :meth:`Settler.settle` only after every event that records the delivery's
 effect has committed (G1).
 
@@ -70,8 +70,8 @@ from waystation.protocol.wire import (
 
 __all__ = [
     "Disposition",
-    "Settled",
     "Settler",
+    "Verdict",
     "ack",
     "attempt_of",
     "crash_limit",
@@ -104,8 +104,9 @@ class Disposition(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class Settled:
-    """What becomes of a delivery once its outcome is durable."""
+class Verdict:
+    """A flow's verdict on its delivery: what should become of it once its outcome is durable
+    (nothing is settled yet; :meth:`Settler.settle` carries it out)."""
 
     disposition: Disposition
     checkpoint_started: float | None = None
@@ -121,24 +122,24 @@ class Settled:
     """For a retry or a wait: seconds it waits in the broker before it is delivered again."""
 
 
-def ack(checkpoint_started: float | None = None) -> Settled:
-    return Settled(Disposition.ACK, checkpoint_started)
+def ack(checkpoint_started: float | None = None) -> Verdict:
+    return Verdict(Disposition.ACK, checkpoint_started)
 
 
-def requeue() -> Settled:
-    return Settled(Disposition.REQUEUE)
+def requeue() -> Verdict:
+    return Verdict(Disposition.REQUEUE)
 
 
-def dead(reason: str, detail: str, *, tell_publisher: bool = False) -> Settled:
-    return Settled(Disposition.DEAD_LETTER, None, Rejection(reason, detail), tell_publisher)
+def dead(reason: str, detail: str, *, tell_publisher: bool = False) -> Verdict:
+    return Verdict(Disposition.DEAD_LETTER, None, Rejection(reason, detail), tell_publisher)
 
 
-def retry(failed_runs: int, delay: float = 0.0) -> Settled:
-    return Settled(Disposition.RETRY, failed_runs=failed_runs, delay=delay)
+def retry(failed_runs: int, delay: float = 0.0) -> Verdict:
+    return Verdict(Disposition.RETRY, failed_runs=failed_runs, delay=delay)
 
 
-def wait(failed_runs: int, delay: float) -> Settled:
-    return Settled(Disposition.WAIT, failed_runs=failed_runs, delay=delay)
+def wait(failed_runs: int, delay: float) -> Verdict:
+    return Verdict(Disposition.WAIT, failed_runs=failed_runs, delay=delay)
 
 
 def crash_limit(delivery_limit: int) -> int:
@@ -375,7 +376,7 @@ class Settler:
 
     # ---- settling -----------------------------------------------------------------------------
 
-    async def settle(self, delivery: Delivery, settled: Settled) -> None:
+    async def settle(self, delivery: Delivery, settled: Verdict) -> None:
         try:
             if settled.disposition is Disposition.ACK:
                 await self.broker.ack(delivery)
@@ -418,7 +419,7 @@ class Settler:
         )
         self.observer.settled(settled.disposition.value, checkpoint)
 
-    async def _send_back(self, delivery: Delivery, settled: Settled) -> bool:
+    async def _send_back(self, delivery: Delivery, settled: Verdict) -> bool:
         """Publish a copy of ``delivery`` to its own queue counting its failed runs (and, for a
         wait, one more wait), to arrive after its delay (waiting in the broker, not here); False
         if that failed (the delivery is then requeued at once, and the broker's count carries
@@ -445,7 +446,7 @@ class Settler:
             return False
         return True
 
-    async def _dead_letter(self, delivery: Delivery, settled: Settled) -> bool:
+    async def _dead_letter(self, delivery: Delivery, settled: Verdict) -> bool:
         """Publish ``delivery`` to the dead-letter exchange with its reason; False on failure."""
         rejection = settled.rejection or Rejection("rejected", "")
         log.error(

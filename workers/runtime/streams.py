@@ -60,7 +60,7 @@ class StreamCache:
     An entry is taken out when used, so a failed attempt never sees it again.
 
     Bounded by count and by bytes (the JSON of the events' data and metadata): a few streams
-    with huge inputs or results cannot hold a worker's memory (defect j). And by age: a copy
+    with huge inputs or results cannot hold a worker's memory. And by age: a copy
     put ``max_age`` seconds ago goes (taking one and putting it back after an append makes it
     young again). Without it, the copies of streams whose task went on
     on another worker (its last reply recorded there) stayed until evicted, and the cache

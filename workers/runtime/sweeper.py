@@ -89,7 +89,7 @@ class DeadlineSweeper:
                 call.task_id,
                 # on the database's clock, which decided the call expired: a worker whose own
                 # clock is behind would otherwise find it not expired, and its lease would hold
-                # the call back from every other sweeper (defect k)
+                # the call back from every other sweeper
                 lambda state: decide_timeout(state, call.subtask_id, now=call.now or self.clock()),
                 key=lambda _: f"timeout:{call.subtask_id}",
                 cause=Cause(message_id=f"deadline:{call.subtask_id}"),

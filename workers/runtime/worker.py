@@ -40,7 +40,7 @@ from waystation.observability.observer import Observer, WorkerStats
 from waystation.protocol.intake import Rejection, inspect
 from waystation.protocol.wire import TYPE_RESULT, TYPE_RESUME, TYPE_TASK, Names, trace_id_of
 from waystation.runtime.faults import FaultPlan
-from waystation.runtime.flows import Flows, dispatch, kind_label
+from waystation.runtime.flows import Steps, dispatch, kind_label
 from waystation.runtime.flows.reply import handle_unstorable_reply
 from waystation.runtime.flows.undeliverable import handle_undeliverable
 from waystation.runtime.limits import PoolLimits
@@ -48,7 +48,7 @@ from waystation.runtime.outages import Outages
 from waystation.runtime.outbox import OutboxPublisher
 from waystation.runtime.recorder import Recorder, UnreadableStream
 from waystation.runtime.routing import ReplyRoutes
-from waystation.runtime.settle import Disposition, Settled, Settler, attempt_of, dead, requeue
+from waystation.runtime.settle import Disposition, Settler, Verdict, attempt_of, dead, requeue
 from waystation.runtime.sweeper import DeadlineSweeper
 from waystation.settings import Settings
 from waystation.slots import SlotLeases
@@ -146,7 +146,7 @@ class Worker:
         self.threads = ThreadPoolExecutor(
             max_workers=settings.concurrency, thread_name_prefix="waystation-handler"
         )
-        self.flows = Flows(
+        self.steps = Steps(
             app,
             settings,
             self.names,
@@ -324,7 +324,7 @@ class Worker:
     ) -> OutboxMessage | None:
         """A committed message the broker will not take
         (``waystation.runtime.flows.undeliverable``)."""
-        return await handle_undeliverable(self.flows, message, error)
+        return await handle_undeliverable(self.steps, message, error)
 
     # ---- every delivery ----------------------------------------------------------------------
 
@@ -360,7 +360,7 @@ class Worker:
             if self._inflight == 0:
                 self._idle.set()
 
-    async def _process(self, delivery: Delivery, spec: AgentSpec, kind: str) -> Settled:
+    async def _process(self, delivery: Delivery, spec: AgentSpec, kind: str) -> Verdict:
         body = inspect(
             delivery,
             max_body=self.settings.max_message_bytes,
@@ -370,22 +370,22 @@ class Worker:
             if body.reason == "unstorable" and kind_label(delivery, kind) == TYPE_RESULT:
                 why = body
                 return await self._retrying(
-                    lambda: handle_unstorable_reply(self.flows, delivery, why), delivery, kind
+                    lambda: handle_unstorable_reply(self.steps, delivery, why), delivery, kind
                 )
-            return Settled(Disposition.DEAD_LETTER, None, body, kind == "tasks")
-        if not _runs_a_handler(delivery, kind) and self.flows.out_of_attempts(delivery):
+            return Verdict(Disposition.DEAD_LETTER, None, body, kind == "tasks")
+        if not _runs_a_handler(delivery, kind) and self.steps.out_of_attempts(delivery):
             # (a task or resume records its failure in its flow, its publisher answered)
             return dead(
                 "delivery-limit",
                 f"delivered {attempt_of(delivery)} times without being settled",
             )
         return await self._retrying(
-            lambda: dispatch(self.flows, delivery, spec, kind, body), delivery, kind
+            lambda: dispatch(self.steps, delivery, spec, kind, body), delivery, kind
         )
 
     async def _retrying(
-        self, flow: Callable[[], Awaitable[Settled]], delivery: Delivery, kind: str
-    ) -> Settled:
+        self, flow: Callable[[], Awaitable[Verdict]], delivery: Delivery, kind: str
+    ) -> Verdict:
         """Run ``flow``; when a service it needs is out, wait and run it again (not the
         message's fault: retrying in place does not burn its delivery limit). A commit retries
         its own append (``Recorder.commit``), so a handler that already ran is not run again."""

@@ -53,11 +53,11 @@ from waystation.events import (
 from waystation.events.chain import recorded_events
 from waystation.protocol.intake import Rejection
 from waystation.protocol.wire import TYPE_CANCEL, TYPE_TASK, implied_messages
-from waystation.runtime.flows.base import Flows, error_of, resume_context
+from waystation.runtime.flows.base import Steps, error_of, resume_context
 from waystation.runtime.flows.reply import handle_reply
 from waystation.runtime.flows.resume import handle_resume
 from waystation.runtime.recorder import Cause
-from waystation.runtime.settle import Settled, ack, dead, requeue
+from waystation.runtime.settle import Verdict, ack, dead, requeue
 
 __all__ = ["MUTATIONS", "mutated"]
 
@@ -70,7 +70,7 @@ def _old_attempt_of(delivery: Delivery) -> int:
     return count + 1 if isinstance(count, int) and count >= 0 else 1
 
 
-def _old_retry(failed_runs: int) -> Settled:
+def _old_retry(failed_runs: int) -> Verdict:
     return requeue()
 
 
@@ -122,50 +122,50 @@ async def _timeout_on_the_workers_clock(
     )
 
 
-async def _ack_then_record_reply(flows: Flows, delivery: Delivery, body: Any) -> Settled:
+async def _ack_then_record_reply(steps: Steps, delivery: Delivery, body: Any) -> Verdict:
     """The reply flow acking its delivery first, then recording it (G1 broken): a crash or an
     outage in between loses the reply."""
-    await flows.broker.ack(delivery)
-    await handle_reply(flows, delivery, body)
+    await steps.broker.ack(delivery)
+    await handle_reply(steps, delivery, body)
     return ack()  # (the worker's own ack then finds it settled already: logged, harmless)
 
 
-async def _drop_reply_when_stream_busy(flows: Flows, delivery: Delivery, body: Any) -> Settled:
+async def _drop_reply_when_stream_busy(steps: Steps, delivery: Delivery, body: Any) -> Verdict:
     """A reply that finds another of its task being recorded on this worker acked unrecorded,
     on the belief that the other one's append takes it along (it does not): the call then
     times out as if its peer never answered."""
     try:
         task_id, _, _ = parse_subtask_id(delivery.correlation_id or "")
     except ValueError:
-        return await handle_reply(flows, delivery, body)
-    if flows.recorder.locks.busy(task_id):
+        return await handle_reply(steps, delivery, body)
+    if steps.recorder.locks.busy(task_id):
         return ack()
-    return await handle_reply(flows, delivery, body)
+    return await handle_reply(steps, delivery, body)
 
 
-async def _ack_then_resume(flows: Flows, delivery: Delivery, spec: AgentSpec, body: Any) -> Settled:
+async def _ack_then_resume(steps: Steps, delivery: Delivery, spec: AgentSpec, body: Any) -> Verdict:
     """The resume flow acking its message first, then running the resumed handler (G1 broken):
     a crash or a failed run in between leaves the task resumed and nobody to run it."""
-    await flows.broker.ack(delivery)
-    await handle_resume(flows, delivery, spec, body)
+    await steps.broker.ack(delivery)
+    await handle_resume(steps, delivery, spec, body)
     return ack()
 
 
-async def _late_replies_dead_lettered(flows: Flows, delivery: Delivery, body: Any) -> Settled:
+async def _late_replies_dead_lettered(steps: Steps, delivery: Delivery, body: Any) -> Verdict:
     """Replies found through an index of pending calls, which forgets a task's calls when it
     ends: a reply to a finished task dead-lettered as for an unknown task, not recorded late."""
     try:
         task_id, _, _ = parse_subtask_id(delivery.correlation_id or "")
     except ValueError:
-        return await handle_reply(flows, delivery, body)
-    if (await flows.recorder.load(task_id)).finished:
+        return await handle_reply(steps, delivery, body)
+    if (await steps.recorder.load(task_id)).finished:
         return dead("unknown-task", f"no pending call of {task_id!r}")
-    return await handle_reply(flows, delivery, body)
+    return await handle_reply(steps, delivery, body)
 
 
 async def _unstorable_reply_only_dead_lettered(
-    flows: Flows, delivery: Delivery, why: Rejection
-) -> Settled:
+    steps: Steps, delivery: Delivery, why: Rejection
+) -> Verdict:
     """A reply whose body the log cannot store dead-lettered without failing its call: the call
     waits for its deadline, and the log never says why."""
     return dead(why.reason, why.detail)
@@ -306,7 +306,7 @@ def _headers_as_they_came(headers: Any) -> dict[str, Any]:
 
 
 async def _resume_in_place_handing_every_failure_over(
-    flows: waystation.runtime.flows.base.Flows,
+    steps: waystation.runtime.flows.base.Steps,
     state: TaskState,
     events: list[DomainEvent],
     cause: Cause,
@@ -315,21 +315,21 @@ async def _resume_in_place_handing_every_failure_over(
     """Issue 28 e: a resumed run in place, before it followed its agent's policy. Anything it
     raised but an invalid outcome was handed over to a resume message, to run again, whatever
     the policy said (a ``Permanent`` error, ``retries=0``), and without its backoff."""
-    if not (flows.settings.resume_in_place and events and isinstance(events[-1], TaskResumed)):
+    if not (steps.settings.resume_in_place and events and isinstance(events[-1], TaskResumed)):
         return None
-    spec = flows.app.agents.get(state.agent or "")
+    spec = steps.app.agents.get(state.agent or "")
     if spec is None or spec.limited:
         return None
-    decided_at = flows.clock()
-    own = flows.recorder.new_events(state, events, causation_key, cause)
+    decided_at = steps.clock()
+    own = steps.recorder.new_events(state, events, causation_key, cause)
     resumed = fold(
         state.task_id,
         recorded_events(state.task_id, state.version, own, state.last_hash),
         start=state,
     )
     try:
-        outcome = await flows.run_handler(spec, resume_context(spec, resumed))
-        following = flows.decide_outcome(resumed, outcome, spec)
+        outcome = await steps.run_handler(spec, resume_context(spec, resumed))
+        following = steps.decide_outcome(resumed, outcome, spec)
     except InvalidTransition as error:
         failed = [*events, *decide_failure(resumed, error_of(error))]
         return waystation.runtime.recorder.Extension(
@@ -351,7 +351,7 @@ MUTATIONS: dict[str, list[Patch]] = {
     ],
     # b: a cancel before a task's first run was recorded left its publisher unanswered
     "b-cancel-before-first-run": [
-        (waystation.runtime.flows.base.Flows, "answer_cancelled_before_start", _tell_nobody)
+        (waystation.runtime.flows.base.Steps, "answer_cancelled_before_start", _tell_nobody)
     ],
     # e: a handler ran in place on a stale copy of its stream
     "e-stale-cache": [

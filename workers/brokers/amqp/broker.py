@@ -180,7 +180,7 @@ class _DirectQueue(aio_pika.RobustQueue):
 
     aio-pika's ``consume`` makes each delivery an ``IncomingMessage`` (about 20 attribute sets)
     and runs the callback in a second task besides the one aiormq starts: together ~5% of a
-    worker's CPU under load (py-spy, 2026-11-24). This ``consume`` gives the callback to aiormq
+    worker's CPU under load (docs/performance.md). This ``consume`` gives the callback to aiormq
     itself, so a delivery reaches it in aiormq's task, which is cancelled when its channel
     closes, as the inner task was. It records the consumer where aio-pika's robust queue does,
     so reconnecting restores it through this same method. The one path that does not come here

@@ -1,7 +1,7 @@
-"""The worker's flows, one per message kind (docs/internals.md): decide, append, publish, settle.
+"""The worker's steps, one per message kind (docs/internals.md): decide, append, publish, settle.
 
 Each flow takes a delivery and returns what should become of it
-(``waystation.runtime.settle.Settled``); the worker settles it afterwards, so that no flow acks
+(``waystation.runtime.settle.Verdict``); the worker settles it afterwards, so that no flow acks
 before its effect is durable (G1).
 
 What each queue takes (``waystation.protocol.wire``):
@@ -25,16 +25,16 @@ from waystation.protocol.wire import (
     TYPE_RESUME,
     TYPE_TASK,
 )
-from waystation.runtime.flows.base import Flows
+from waystation.runtime.flows.base import Steps
 from waystation.runtime.flows.cancel import handle_cancel
 from waystation.runtime.flows.progress import handle_progress
 from waystation.runtime.flows.query import handle_query
 from waystation.runtime.flows.reply import handle_reply
 from waystation.runtime.flows.resume import handle_resume
 from waystation.runtime.flows.task import handle_task
-from waystation.runtime.settle import Settled, dead
+from waystation.runtime.settle import Verdict, dead
 
-__all__ = ["KINDS", "Flows", "dispatch", "kind_label"]
+__all__ = ["KINDS", "Steps", "dispatch", "kind_label"]
 
 KINDS = {
     "tasks": frozenset({TYPE_TASK, TYPE_RESUME, TYPE_CANCEL, TYPE_QUERY}),
@@ -50,25 +50,25 @@ def kind_label(delivery: Delivery, kind: str) -> str:
 
 
 async def dispatch(
-    flows: Flows, delivery: Delivery, spec: AgentSpec, kind: str, body: Any
-) -> Settled:
+    steps: Steps, delivery: Delivery, spec: AgentSpec, kind: str, body: Any
+) -> Verdict:
     """Run the flow of ``delivery``'s type (``kind`` is the queue it came from)."""
     if kind == "replies":
         message_type = delivery.type or TYPE_RESULT
         if message_type == TYPE_RESULT:
-            return await handle_reply(flows, delivery, body)
+            return await handle_reply(steps, delivery, body)
         if message_type == TYPE_PROGRESS:
-            return await handle_progress(flows, delivery, body)
+            return await handle_progress(steps, delivery, body)
     else:
         message_type = delivery.type or TYPE_TASK
         if message_type == TYPE_TASK:
-            return await handle_task(flows, delivery, spec, body)
+            return await handle_task(steps, delivery, spec, body)
         if message_type == TYPE_RESUME:
-            return await handle_resume(flows, delivery, spec, body)
+            return await handle_resume(steps, delivery, spec, body)
         if message_type == TYPE_CANCEL:
-            return await handle_cancel(flows, delivery, spec, body)
+            return await handle_cancel(steps, delivery, spec, body)
         if message_type == TYPE_QUERY:
-            return await handle_query(flows, delivery, spec, body)
+            return await handle_query(steps, delivery, spec, body)
     # a publisher that set reply_to on the task queue asked for an answer (G9)
     return dead(
         "unknown-message-type",

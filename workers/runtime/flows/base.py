@@ -37,8 +37,8 @@ from waystation.runtime.faults import FaultPlan
 from waystation.runtime.limits import UNLIMITED, Admission, PoolLimits
 from waystation.runtime.recorder import Cause, Recorder
 from waystation.runtime.settle import (
-    Settled,
     Settler,
+    Verdict,
     attempt_of,
     crash_limit,
     dead,
@@ -50,7 +50,7 @@ from waystation.settings import Settings
 
 __all__ = [
     "DeliveryLimitReached",
-    "Flows",
+    "Steps",
     "copy_json",
     "error_of",
     "invalid_fields",
@@ -141,8 +141,11 @@ def resume_context(spec: AgentSpec, state: TaskState) -> TaskContext:
 
 
 @dataclass(frozen=True, slots=True)
-class Flows:
-    """The parts of one worker its flows work with."""
+class Steps:
+    """The steps every flow is made of, with the parts of the worker they use: admitting a run
+    (``admit``), running the handler (``run_handler``), deciding its outcome
+    (``decide_outcome``), recording through the ``recorder``, answering and failing a task
+    (``handler_failed``); what becomes of the delivery is the flow's :class:`Verdict`."""
 
     app: App
     settings: Settings
@@ -190,7 +193,7 @@ class Flows:
             return await self._run_in_thread(spec, context)
         return await spec.handler(context)  # type: ignore[misc]
 
-    async def admit(self, spec: AgentSpec, delivery: Delivery, task_id: str) -> Admission | Settled:
+    async def admit(self, spec: AgentSpec, delivery: Delivery, task_id: str) -> Admission | Verdict:
         """The slots of a run of ``task_id`` when its agent has pool limits
         (``waystation.runtime.limits``); when one is full, what becomes of ``delivery`` instead: it
         waits in the broker, its attempts untouched. An agent without limits is admitted at once,
@@ -271,7 +274,7 @@ class Flows:
         *,
         start: TaskStarted | None = None,
         spec: AgentSpec | None = None,
-    ) -> Settled:
+    ) -> Verdict:
         """Retry (a copy counting this failed run goes back to the queue, after the agent's
         backoff, waiting in the broker), or, on the last attempt (or for an error that trying
         again cannot help: ``Permanent``, an outcome that can never be recorded), record the

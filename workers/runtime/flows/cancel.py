@@ -13,9 +13,9 @@ from waystation.agent import AgentSpec
 from waystation.brokers.port import Delivery
 from waystation.events import TaskState, decide_cancel
 from waystation.protocol.wire import ResultEnvelope, derived_id, result_message
-from waystation.runtime.flows.base import Flows
+from waystation.runtime.flows.base import Steps
 from waystation.runtime.recorder import Cause
-from waystation.runtime.settle import Settled, ack, dead
+from waystation.runtime.settle import Verdict, ack, dead
 
 __all__ = ["MAX_TASK_ID", "handle_cancel"]
 
@@ -24,7 +24,7 @@ MAX_TASK_ID = 255
 log = logging.getLogger(__name__)
 
 
-async def handle_cancel(flows: Flows, delivery: Delivery, spec: AgentSpec, body: Any) -> Settled:
+async def handle_cancel(steps: Steps, delivery: Delivery, spec: AgentSpec, body: Any) -> Verdict:
     if not isinstance(body, dict) or not isinstance(body.get("task_id"), str):
         return dead(
             "wrong-shape",
@@ -41,7 +41,7 @@ async def handle_cancel(flows: Flows, delivery: Delivery, spec: AgentSpec, body:
             tell_publisher=True,
         )
     reason = body.get("reason") if isinstance(body.get("reason"), str) else None
-    applied = await flows.recorder.append_decision(
+    applied = await steps.recorder.append_decision(
         task_id,
         lambda current: decide_cancel(current, reason),
         key=lambda _: "cancel",
@@ -51,10 +51,10 @@ async def handle_cancel(flows: Flows, delivery: Delivery, spec: AgentSpec, body:
     )
     status = "cancelled" if applied.events else applied.state.status
     log.info("cancel of %s: %s", task_id, "cancelled" if applied.events else status)
-    flows.observer.count("cancels_applied" if applied.events else "cancels_ignored")
+    steps.observer.count("cancels_applied" if applied.events else "cancels_ignored")
     if delivery.reply_to:
         envelope = ResultEnvelope("ok", result={"task_id": task_id, "status": status})
-        await flows.settler.answer_or_keep(
+        await steps.settler.answer_or_keep(
             result_message(
                 derived_id(task_id, ":cancel"), delivery.reply_to, delivery.correlation_id, envelope
             )

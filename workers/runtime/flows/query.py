@@ -23,17 +23,17 @@ from waystation.brokers.port import Delivery
 from waystation.events import TaskState
 from waystation.events.codec import loads
 from waystation.protocol.wire import ResultEnvelope, derived_id, result_message
-from waystation.runtime.flows.base import Flows
+from waystation.runtime.flows.base import Steps
 from waystation.runtime.flows.cancel import MAX_TASK_ID
 from waystation.runtime.flows.task import recorded_outcome
-from waystation.runtime.settle import Settled, ack, dead
+from waystation.runtime.settle import Verdict, ack, dead
 
 __all__ = ["handle_query", "query_answer"]
 
 log = logging.getLogger(__name__)
 
 
-async def handle_query(flows: Flows, delivery: Delivery, spec: AgentSpec, body: Any) -> Settled:
+async def handle_query(steps: Steps, delivery: Delivery, spec: AgentSpec, body: Any) -> Verdict:
     if not isinstance(body, dict) or not isinstance(body.get("task_id"), str):
         return dead("wrong-shape", 'a query body is {"task_id": str}', tell_publisher=True)
     task_id = body["task_id"]
@@ -45,10 +45,10 @@ async def handle_query(flows: Flows, delivery: Delivery, spec: AgentSpec, body: 
         )
     if not delivery.reply_to:
         return dead("missing-property", "a query needs a reply_to to answer to")
-    state = await flows.recorder.load(task_id)
+    state = await steps.recorder.load(task_id)
     answer = query_answer(state)
-    flows.observer.count("queries_answered")
-    await flows.settler.answer_or_keep(
+    steps.observer.count("queries_answered")
+    await steps.settler.answer_or_keep(
         result_message(
             derived_id(task_id, ":query"),
             delivery.reply_to,

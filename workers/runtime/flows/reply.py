@@ -42,16 +42,16 @@ from waystation.events.task import MAX_IGNORED_REPLIES, over_ignored_limit
 from waystation.policies import Permanent
 from waystation.protocol.intake import Rejection
 from waystation.protocol.wire import ResultEnvelope
-from waystation.runtime.flows.base import Flows, error_of, resume_context
+from waystation.runtime.flows.base import Steps, error_of, resume_context
 from waystation.runtime.recorder import Applied, Cause, Extension
-from waystation.runtime.settle import Settled, ack, dead
+from waystation.runtime.settle import Verdict, ack, dead
 
 __all__ = ["handle_reply", "handle_unstorable_reply", "subtask_of"]
 
 log = logging.getLogger(__name__)
 
 
-def subtask_of(delivery: Delivery) -> tuple[str, str] | Settled:
+def subtask_of(delivery: Delivery) -> tuple[str, str] | Verdict:
     """``(task_id, subtask_id)`` a reply or progress report is about, or why it is dead."""
     subtask = delivery.correlation_id
     if not subtask:
@@ -63,9 +63,9 @@ def subtask_of(delivery: Delivery) -> tuple[str, str] | Settled:
     return task_id, subtask
 
 
-async def handle_reply(flows: Flows, delivery: Delivery, body: Any) -> Settled:
+async def handle_reply(steps: Steps, delivery: Delivery, body: Any) -> Verdict:
     found = subtask_of(delivery)
-    if isinstance(found, Settled):
+    if isinstance(found, Verdict):
         return found
     task_id, subtask = found
     try:
@@ -75,7 +75,7 @@ async def handle_reply(flows: Flows, delivery: Delivery, body: Any) -> Settled:
     outcome: Literal["ok", "error"] = "ok" if envelope.status == "ok" else "error"
     value = envelope.result if outcome == "ok" else None
     error = envelope.error if outcome == "ok" else envelope.error or {"type": envelope.status}
-    applied = await _record(flows, delivery, task_id, subtask, outcome, value, error)
+    applied = await _record(steps, delivery, task_id, subtask, outcome, value, error)
     if not applied.state.exists:
         return dead("unknown-task", f"no task {task_id!r} in the log")
     if not applied.events:
@@ -84,26 +84,26 @@ async def handle_reply(flows: Flows, delivery: Delivery, body: Any) -> Settled:
                 "ignored-replies-limit",
                 f"task {task_id!r} already records {MAX_IGNORED_REPLIES} ignored replies",
             )
-        flows.observer.count("redelivered_recognised")
+        steps.observer.count("redelivered_recognised")
     return ack(applied.checkpoint_started)
 
 
-async def handle_unstorable_reply(flows: Flows, delivery: Delivery, why: Rejection) -> Settled:
+async def handle_unstorable_reply(steps: Steps, delivery: Delivery, why: Rejection) -> Verdict:
     """A reply whose body the log cannot store fails its call now, as an error saying why,
     rather than at its deadline; the reply itself is dead-lettered for whoever sent it."""
     found = subtask_of(delivery)
-    if isinstance(found, Settled):
+    if isinstance(found, Verdict):
         return found
     task_id, subtask = found
     error = {"type": "unstorable-reply", "message": why.detail}
-    applied = await _record(flows, delivery, task_id, subtask, "error", None, error)
+    applied = await _record(steps, delivery, task_id, subtask, "error", None, error)
     if not applied.state.exists:
         return dead("unknown-task", f"no task {task_id!r} in the log")
     return dead(why.reason, why.detail)
 
 
 async def _record(
-    flows: Flows,
+    steps: Steps,
     delivery: Delivery,
     task_id: str,
     subtask: str,
@@ -136,9 +136,9 @@ async def _record(
     async def resume_here(
         state: TaskState, events: list[DomainEvent], causation_key: str
     ) -> Extension | None:
-        return await _resume_in_place(flows, state, events, cause, causation_key)
+        return await _resume_in_place(steps, state, events, cause, causation_key)
 
-    applied = await flows.recorder.append_decision(
+    applied = await steps.recorder.append_decision(
         task_id,
         decide,
         key=key,
@@ -150,12 +150,12 @@ async def _record(
     )
     if applied.events and isinstance(applied.events[0], ReplyIgnored):
         log.info("reply for %s not applied: %s", subtask, applied.events[0].reason)
-        flows.observer.count("replies_ignored")
+        steps.observer.count("replies_ignored")
     return applied
 
 
 async def _resume_in_place(
-    flows: Flows,
+    steps: Steps,
     state: TaskState,
     events: list[DomainEvent],
     cause: Cause,
@@ -175,27 +175,27 @@ async def _resume_in_place(
     broker, so that the retries and the final failure follow the resume path within the agent's
     attempts.
     """
-    if not (flows.settings.resume_in_place and events and isinstance(events[-1], TaskResumed)):
+    if not (steps.settings.resume_in_place and events and isinstance(events[-1], TaskResumed)):
         return None
-    spec = flows.app.agents.get(state.agent or "")
+    spec = steps.app.agents.get(state.agent or "")
     if spec is None or spec.limited:
         return None
-    decided_at = flows.clock()
+    decided_at = steps.clock()
     # made as they will be appended (the decision's ids and metadata): chained once, here
-    own = flows.recorder.new_events(state, events, causation_key, cause)
+    own = steps.recorder.new_events(state, events, causation_key, cause)
     resumed = fold(
         state.task_id,
         recorded_events(state.task_id, state.version, own, state.last_hash),
         start=state,
     )
     try:
-        outcome = await flows.run_handler(spec, resume_context(spec, resumed))
+        outcome = await steps.run_handler(spec, resume_context(spec, resumed))
         returned_at = time.perf_counter()
-        flows.faults.hit("resume.in-place")
-        following = flows.decide_outcome(resumed, outcome, spec)
+        steps.faults.hit("resume.in-place")
+        following = steps.decide_outcome(resumed, outcome, spec)
     except Exception as error:
         # the first run of this step: the agent's policy decides, as for any other run
-        attempts = spec.attempts(flows.settings.delivery_limit)
+        attempts = spec.attempts(steps.settings.delivery_limit)
         if isinstance(error, (InvalidTransition, Permanent)) or attempts <= 1:
             # trying again cannot help, or the agent allows no retry: fail now, in this append
             log.error(
@@ -218,7 +218,7 @@ async def _resume_in_place(
             attempts,
             delay,
         )
-        flows.observer.count("resumes_handed_over")
+        steps.observer.count("resumes_handed_over")
         return Extension(
             events,
             checkpoint_started=None,

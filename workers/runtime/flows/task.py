@@ -37,16 +37,16 @@ from waystation.protocol.wire import (
     result_message,
     trace_id_of,
 )
-from waystation.runtime.flows.base import Flows, invalid_fields, typed_input
+from waystation.runtime.flows.base import Steps, invalid_fields, typed_input
 from waystation.runtime.recorder import Cause
-from waystation.runtime.settle import Settled, ack, dead, sent_again
+from waystation.runtime.settle import Verdict, ack, dead, sent_again
 
 __all__ = ["handle_task", "recorded_outcome"]
 
 log = logging.getLogger(__name__)
 
 
-async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload: Any) -> Settled:
+async def handle_task(steps: Steps, delivery: Delivery, spec: AgentSpec, payload: Any) -> Verdict:
     task_id = delivery.message_id
     if not task_id:
         return dead(
@@ -68,9 +68,9 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
         # one that already finished: it is answered from the log, not run again. (A call of
         # another task skips this read: its caller sends each call once, and records a
         # repeated answer as a duplicate.)
-        recorded = await flows.recorder.load(task_id)
+        recorded = await steps.recorder.load(task_id)
         if recorded.exists:
-            return await _already_recorded(flows, delivery, recorded)
+            return await _already_recorded(steps, delivery, recorded)
     try:
         handler_input = typed_input(spec, payload)
     except ValidationError as error:
@@ -102,16 +102,16 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
         trace_id=trace_id,
         root_task_id=root_id,
     )
-    admission = await flows.admit(spec, delivery, task_id)
-    if isinstance(admission, Settled):
+    admission = await steps.admit(spec, delivery, task_id)
+    if isinstance(admission, Verdict):
         return admission  # a limit of the pool is full: the task waits in the broker
     try:
-        spent = flows.out_of_attempts(delivery)
+        spent = steps.out_of_attempts(delivery)
         if spent is not None:
             raise spent
-        outcome = await flows.run_handler(spec, context, admission)
+        outcome = await steps.run_handler(spec, context, admission)
         returned_at = time.perf_counter()
-        events = flows.decide_outcome(
+        events = steps.decide_outcome(
             state,
             outcome,
             spec,
@@ -120,10 +120,10 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
             # wait's copy or a redelivery: another run of the same task (the copy a dying
             # worker left, or the run that died) may be failing or answering meanwhile, and
             # only the log can settle which answer stands
-            record_completion=flows.settings.audit_all_tasks or again,
+            record_completion=steps.settings.audit_all_tasks or again,
         )
     except Exception as error:
-        return await flows.handler_failed(delivery, state, error, start=start, spec=spec)
+        return await steps.handler_failed(delivery, state, error, start=start, spec=spec)
     if not events:
         # completed without peers: nothing to record (G10); the answer is the only effect
         assert isinstance(outcome, Complete)
@@ -133,12 +133,12 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
                 # right before answering, so only a cancel committed in between can cross it.
                 # (A call of another task skips this: its caller, the only one that cancels it,
                 # records a later answer as late and applies nothing.)
-                recorded = await flows.recorder.load(task_id)
+                recorded = await steps.recorder.load(task_id)
                 if recorded.exists:
-                    return await _already_recorded(flows, delivery, recorded)
+                    return await _already_recorded(steps, delivery, recorded)
             envelope = ResultEnvelope("ok", result=outcome.result, task_id=task_id)
             try:
-                await flows.settler.answer(
+                await steps.settler.answer(
                     result_message(
                         task_id,
                         delivery.reply_to,
@@ -157,23 +157,23 @@ async def handle_task(flows: Flows, delivery: Delivery, spec: AgentSpec, payload
                 )
                 events = [start, TaskCompleted(result=outcome.result)]
         if not events:
-            flows.observer.completed_unrecorded(state)
+            steps.observer.completed_unrecorded(state)
             return ack()
     try:
-        await flows.recorder.commit(
+        await steps.recorder.commit(
             state, events, "run", Cause.of(delivery), step="pause", history=[]
         )
     except VersionConflict:
-        return await _already_recorded(flows, delivery, await flows.recorder.load(task_id))
+        return await _already_recorded(steps, delivery, await steps.recorder.load(task_id))
     return ack(returned_at if isinstance(outcome, Pause) else None)
 
 
-async def _already_recorded(flows: Flows, delivery: Delivery, state: TaskState) -> Settled:
+async def _already_recorded(steps: Steps, delivery: Delivery, state: TaskState) -> Verdict:
     """The task's stream exists: another delivery recorded it first (its outbox answers the
     publisher), it was cancelled before its first run was recorded, or it is a resend of a
     task that finished; the last two are answered here, from the log."""
     if _answer_from_log(delivery, state):
-        await flows.settler.answer_or_keep(
+        await steps.settler.answer_or_keep(
             result_message(
                 state.task_id,
                 delivery.reply_to or "",
@@ -185,9 +185,9 @@ async def _already_recorded(flows: Flows, delivery: Delivery, state: TaskState) 
                 },
             )
         )
-        flows.observer.count("results_answered_from_log")
+        steps.observer.count("results_answered_from_log")
     log.info("task %s is already recorded (%s); acking", state.task_id, state.status)
-    flows.observer.duplicate(
+    steps.observer.duplicate(
         "redelivered_recognised" if delivery.redelivered else "duplicate_tasks"
     )
     return ack()

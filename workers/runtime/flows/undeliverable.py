@@ -27,7 +27,7 @@ from waystation.brokers.port import BrokerError, PublishRefused, Unroutable, Uns
 from waystation.events import OutboxMessage, decide_failure, decide_reply, parse_subtask_id
 from waystation.events.codec import loads
 from waystation.protocol.wire import TYPE_RESUME, TYPE_TASK
-from waystation.runtime.flows.base import Flows
+from waystation.runtime.flows.base import Steps
 from waystation.runtime.recorder import Cause
 from waystation.runtime.settle import unsendable_answer
 
@@ -44,7 +44,7 @@ def _error_of(error: BrokerError) -> dict[str, str]:
 
 
 async def handle_undeliverable(
-    flows: Flows, message: OutboxMessage, error: BrokerError
+    steps: Steps, message: OutboxMessage, error: BrokerError
 ) -> OutboxMessage | None:
     """Keep ``message`` as a dead letter and give its task its answer (see the module); the
     message to send in its place, if any (a result's error answer)."""
@@ -52,20 +52,20 @@ async def handle_undeliverable(
     kind = properties.get("type")
     subtask = properties.get("correlation_id")
     if kind == TYPE_TASK and subtask and subtask == message.message_id:
-        await _fail_call(flows, subtask, _error_of(error))
+        await _fail_call(steps, subtask, _error_of(error))
     elif kind == TYPE_RESUME:
-        await _fail_resumed(flows, message, error)
-    await flows.settler.keep(message, error)
+        await _fail_resumed(steps, message, error)
+    await steps.settler.keep(message, error)
     if isinstance(error, Unsendable):
         return unsendable_answer(message, error)
     return None
 
 
-async def _fail_call(flows: Flows, subtask: str, error: dict[str, str]) -> None:
+async def _fail_call(steps: Steps, subtask: str, error: dict[str, str]) -> None:
     """The call ``subtask`` fails now, as if its peer had answered with ``error``."""
     task_id, _, _ = parse_subtask_id(subtask)
     log.warning("call %s of task %s failed: %s", subtask, task_id, error["message"])
-    await flows.recorder.append_decision(
+    await steps.recorder.append_decision(
         task_id,
         lambda state: decide_reply(state, subtask, outcome="error", error=error),
         key=lambda _: f"reply:{subtask}",
@@ -74,7 +74,7 @@ async def _fail_call(flows: Flows, subtask: str, error: dict[str, str]) -> None:
     )
 
 
-async def _fail_resumed(flows: Flows, message: OutboxMessage, error: BrokerError) -> None:
+async def _fail_resumed(steps: Steps, message: OutboxMessage, error: BrokerError) -> None:
     """The resume ``message`` will never run: its task fails, if it is still waiting for it."""
     try:
         body: Any = loads(message.body)
@@ -89,7 +89,7 @@ async def _fail_resumed(flows: Flows, message: OutboxMessage, error: BrokerError
         return decide_failure(state, failure)
 
     log.error("task %s failed: its resume from pause %d could not be sent", task_id, pause)
-    await flows.recorder.append_decision(
+    await steps.recorder.append_decision(
         task_id,
         decide,
         key=lambda _: "failed",
