@@ -23,6 +23,8 @@ from waystation.events import (
 from waystation.tracing import (
     call_key,
     end_key,
+    pause_key,
+    provider,
     reply_key,
     resume_key,
     span_hex,
@@ -118,16 +120,15 @@ def test_a_result_answered_without_the_log_names_the_completion() -> None:
 
 def test_hooks_are_no_ops_when_tracing_is_off() -> None:
     assert not tracing.active()
-    assert tracing.run("t", "a", 0, None) is tracing.consuming({}) is tracing._NULL
+    assert tracing.run("t", "a", 0, None) is tracing.consuming({}) is tracing.spans._NULL
     tracing.recorded(_state(), [_paused()])  # nothing to do, nothing raised
 
 
 @pytest.fixture
 def memory(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     require(otel_capability(), "the spans")
-    impl = tracing._build(["waystation-test"], install=False)
-    assert impl is not None
-    monkeypatch.setattr(tracing, "_impl", impl)
+    impl = provider._build(["waystation-test"], install=False)
+    monkeypatch.setattr(provider, "current", impl)
     yield impl.memory
     impl.provider.shutdown()
 
@@ -150,7 +151,7 @@ def test_a_first_run_hangs_from_the_publishers_span_and_its_pause_from_the_run(
     assert f"{run.context.trace_id:032x}" == HEX_TRACE
     assert run.parent.span_id == 0x00F067AA0BA902B7
     assert pause.parent.span_id == run.context.span_id
-    assert pause.context.span_id == int(span_hex(HEX_TRACE, tracing.pause_key("task-1", 1)), 16)
+    assert pause.context.span_id == int(span_hex(HEX_TRACE, pause_key("task-1", 1)), 16)
     calls = [s for s in memory.get_finished_spans() if s.name == "call peer"]
     assert [c.context.span_id for c in calls] == [
         int(span_hex(HEX_TRACE, call_key(f"task-1:1:{i}")), 16) for i in range(2)
@@ -208,8 +209,8 @@ def test_without_the_extra_tracing_stays_off(monkeypatch: pytest.MonkeyPatch) ->
     # as if opentelemetry were not installed: the worker runs on, without spans
     monkeypatch.setitem(sys.modules, "opentelemetry", None)
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
-    monkeypatch.setattr(tracing, "_configured", False)
-    monkeypatch.setattr(tracing, "_impl", None)
+    monkeypatch.setattr(provider, "_configured", False)
+    monkeypatch.setattr(provider, "current", None)
     assert tracing.configure() is False
     assert not tracing.active()
     assert tracing.configure() is False  # once per process
@@ -222,6 +223,6 @@ def test_tracing_is_off_unless_an_exporter_is_asked_for(monkeypatch: pytest.Monk
             monkeypatch.setenv(name, value)
         if not variables:
             monkeypatch.delenv("OTEL_TRACES_EXPORTER")
-        monkeypatch.setattr(tracing, "_configured", False)
-        monkeypatch.setattr(tracing, "_impl", None)
+        monkeypatch.setattr(provider, "_configured", False)
+        monkeypatch.setattr(provider, "current", None)
         assert tracing.configure() is False, variables
