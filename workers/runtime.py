@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from waystation.events import EventStore, OutboxMessage, StoreUnavailable, parse_subtask_id
 from waystation.events.codec import dumps
@@ -53,6 +54,9 @@ from .sweeper import DeadlineSweeper
 from .topology import amqp_user_of
 from .wire import TYPE_RESULT, TYPE_RESUME, TYPE_TASK, Names, trace_id_of
 
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
+
 __all__ = ["Worker", "WorkerStats"]
 
 log = logging.getLogger(__name__)
@@ -70,7 +74,9 @@ class Worker:
     ``settings.amqp_url``. ``slots`` is where the pool keeps the slots of its agents'
     ``concurrency`` and ``rate`` (``waystation.slots``), needed only when an agent declares one; by
     default the table of the event log's database, when the log is in PostgreSQL. Every worker
-    of a pool must share it.
+    of a pool must share it. ``tracer_provider`` is the application's OpenTelemetry provider for
+    the spans of its tasks; by default the global one the application set, if any
+    (``waystation.tracing.provider``).
     """
 
     def __init__(
@@ -84,8 +90,10 @@ class Worker:
         clock: Callable[[], float] = time.time,
         metrics: Metrics | None = None,
         slots: SlotLeases | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         self.app = app
+        self.tracer_provider = tracer_provider
         self.settings = settings
         self.store = store
         self.names = Names(settings.queue_prefix, settings.reply_shards)
@@ -214,7 +222,7 @@ class Worker:
 
     async def start(self) -> None:
         """Connect, declare the topology, start consuming, sweeping and relaying."""
-        tracing.configure()
+        tracing.configure(self.tracer_provider)
         await self.broker.connect()
         await self.broker.declare(self.names, self.app.agents)
         await self.routes.claim_homes()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from waystation.events import OutboxMessage
 from waystation.events.codec import dumps, loads
@@ -35,6 +35,9 @@ from .settings import Settings
 from .settle import crash_limit
 from .slots.memory import MemorySlotLeases
 from .wire import CONTENT_TYPE, TYPE_TASK, Names
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 __all__ = ["InMemoryPool"]
 
@@ -58,7 +61,8 @@ class InMemoryPool:
 
     ``settings`` (or keyword overrides of :data:`DEFAULTS`, by setting name) configure every
     worker; the broker's delivery limit follows them, as the deployment's RabbitMQ policy
-    would. Use it as an ``async with`` block, or call :meth:`start` and :meth:`close`."""
+    would. ``tracer_provider`` is the OpenTelemetry provider the workers' spans go to
+    (``Worker``'s). Use it as an ``async with`` block, or call :meth:`start` and :meth:`close`."""
 
     def __init__(
         self,
@@ -66,11 +70,13 @@ class InMemoryPool:
         *,
         workers: int = 1,
         settings: Settings | None = None,
+        tracer_provider: TracerProvider | None = None,
         **overrides: Any,
     ) -> None:
         if workers < 1:
             raise ValueError(f"an in-memory pool needs at least one worker, not {workers}")
         self.app = app
+        self.tracer_provider = tracer_provider
         self.settings = settings or Settings(**{**DEFAULTS, **overrides})
         self.names = Names(self.settings.queue_prefix)
         # the broker's own backstop, as the deployment's RabbitMQ policy sets it
@@ -110,6 +116,7 @@ class InMemoryPool:
             self.store,
             broker=self.broker.connection(name),
             slots=self.slots,
+            tracer_provider=self.tracer_provider,
         )
         await worker.start()
         self.workers.append(worker)

@@ -226,3 +226,102 @@ def test_tracing_is_off_unless_an_exporter_is_asked_for(monkeypatch: pytest.Monk
         monkeypatch.setattr(provider, "_configured", False)
         monkeypatch.setattr(provider, "current", None)
         assert tracing.configure() is False, variables
+
+
+# ---- which provider the spans go to -------------------------------------------------------------
+
+
+@pytest.fixture
+def unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenTelemetry's global provider and Waystation's choice as if nothing had set them yet
+    (both are once per process: restored after the test)."""
+    require(otel_capability(), "the providers")
+    from opentelemetry import trace
+    from opentelemetry.util._once import Once
+
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER", None)
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER_SET_ONCE", Once())
+    monkeypatch.setattr(provider, "current", None)
+    monkeypatch.setattr(provider, "_configured", False)
+    for name in ("OTEL_TRACES_EXPORTER", "OTEL_SDK_DISABLED", "OTEL_PYTHON_TRACER_PROVIDER"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _app_provider() -> tuple[Any, Any]:
+    """An application's own SDK provider, exporting to memory."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exported = InMemorySpanExporter()
+    own = TracerProvider()
+    own.add_span_processor(SimpleSpanProcessor(exported))
+    return own, exported
+
+
+def test_an_application_that_set_its_own_provider_gets_waystations_spans_in_it(
+    unset: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from opentelemetry import trace
+
+    own, exported = _app_provider()
+    trace.set_tracer_provider(own)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")  # would make a provider of Waystation's
+    assert tracing.configure()
+    assert trace.get_tracer_provider() is own, "the application's provider stays the global one"
+    with tracing.consuming({}):
+        with tracing.run("task-1", "boss", 0, "trace-1"):
+            trace.get_tracer("app").start_span("the handler's own").end()
+        tracing.recorded(_state(), [TaskStarted(agent="boss", input=None), _paused(k=1)])
+    spans = _spans(exported)
+    assert set(spans) == {"run boss", "the handler's own", "pause boss", "call peer"}
+    assert {f"{s.context.trace_id:032x}" for s in spans.values()} == {trace_hex("trace-1")}
+    assert spans["the handler's own"].parent.span_id == spans["run boss"].context.span_id
+    # the step spans have their derived ids in the application's provider too
+    assert spans["pause boss"].context.span_id == int(
+        span_hex("trace-1", pause_key("task-1", 1)), 16
+    )
+    assert spans["call peer"].context.span_id == int(
+        span_hex("trace-1", call_key("task-1:1:0")), 16
+    )
+    # the application's own spans keep its generator, and its provider stays open
+    assert trace.get_tracer("app").id_generator is own.id_generator
+    tracing.shutdown()
+    trace.get_tracer("app").start_span("after the worker stopped").end()
+    assert "after the worker stopped" in _spans(exported)
+    own.shutdown()
+
+
+def test_a_provider_given_to_the_worker_is_used_before_the_global_one(unset: None) -> None:
+    from opentelemetry import trace
+
+    global_one, in_global = _app_provider()
+    given, in_given = _app_provider()
+    trace.set_tracer_provider(global_one)
+    assert tracing.configure(given)
+    with tracing.consuming({}), tracing.run("task-1", "boss", 0, None):
+        pass
+    assert list(_spans(in_given)) == ["run boss"] and not in_global.get_finished_spans()
+    assert tracing.configure(global_one), "once per process: the first choice stays"
+    given.shutdown()
+    global_one.shutdown()
+
+
+def test_a_no_op_provider_set_by_the_application_keeps_tracing_off(unset: None) -> None:
+    from opentelemetry import trace
+
+    trace.set_tracer_provider(trace.NoOpTracerProvider())
+    assert tracing.configure() is False
+    assert not tracing.active()
+
+
+def test_waystation_makes_its_own_provider_the_global_one_only_when_none_is_set(
+    unset: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from opentelemetry import trace
+
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "waystation-test")
+    assert tracing.configure()
+    assert provider.current is not None and provider.current.owned
+    assert trace.get_tracer_provider() is provider.current.provider
+    provider.current.provider.shutdown()

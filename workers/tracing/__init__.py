@@ -4,12 +4,13 @@ Every hook of the worker into OpenTelemetry is here, in three parts:
 
 * ``ids``: trace and span ids and ``traceparent`` headers, pure functions that
   ``waystation.wire`` uses whether or not tracing is on;
-* ``provider``: the tracer provider ``OTEL_TRACES_EXPORTER`` asks for, and the tracer on it;
+* ``provider``: which tracer provider the spans go to (one given to the worker, the
+  application's own, or Waystation's from ``OTEL_TRACES_EXPORTER``), and the tracer on it;
 * ``spans``: the hooks the worker calls, and the spans they start.
 
-With the extra missing, or tracing not turned on (``OTEL_TRACES_EXPORTER`` unset or ``none``, or
-``OTEL_SDK_DISABLED=true``), each hook is a no-op that costs one check of a module flag, and the
-worker never imports OpenTelemetry.
+With the extra missing, or tracing not turned on (no provider given or set by the application,
+and ``OTEL_TRACES_EXPORTER`` unset or ``none``; or ``OTEL_SDK_DISABLED=true``), each hook is a
+no-op that costs one check of a module flag, and the worker never imports OpenTelemetry.
 
 The spans of one task (docs/observability.md, "OpenTelemetry spans"):
 

@@ -1,5 +1,22 @@
-"""Where Waystation's spans go: the tracer provider ``OTEL_TRACES_EXPORTER`` asks for, and the
-tracer that starts spans on it with the ids a step's span must have (``waystation.tracing.ids``).
+"""Which tracer provider Waystation's spans go to, and the tracer that starts them there.
+
+:func:`configure` decides once per process (a worker calls it when it starts), first match wins:
+
+1. the provider a worker was given (``Worker(..., tracer_provider=...)``);
+2. the application's own: the global provider, when the application set one
+   (``opentelemetry.trace.set_tracer_provider``) before the worker started;
+3. when ``OTEL_TRACES_EXPORTER`` asks for spans, a provider of Waystation's own with those
+   exporters, made the global one (so that a handler's own spans have a provider to go to).
+   Only here is the global provider set, and only because no one had set it.
+
+``OTEL_SDK_DISABLED=true`` turns every case off. Waystation flushes a provider it was given (or
+found) when a worker stops and leaves closing it to the application; it shuts down its own.
+
+A step's span gets ids derived from its task and step (``waystation.tracing.ids``): the tracer
+asks its provider's id generator for them, which Waystation wraps (on its own tracer only, so
+the application's spans keep their generator's ids). With a provider that is not the SDK's
+there is no generator to wrap: the spans get its ids, and a message may name a parent span that
+was exported under another id.
 
 Everything OpenTelemetry is imported inside the functions: with tracing off, the worker never
 imports it.
@@ -9,10 +26,12 @@ from __future__ import annotations
 
 import atexit
 import contextvars
+import functools
 import importlib
 import json
 import logging
 import os
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -20,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from .ids import span_hex, trace_hex
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span, Tracer
+    from opentelemetry.trace import Span, Tracer, TracerProvider
 
 __all__ = ["TEST_SPANS_FILE", "Tracing", "active", "configure", "current", "shutdown"]
 
@@ -33,15 +52,25 @@ TEST_SPANS_FILE = "WAYSTATION_TEST_SPANS_FILE"
 _next_ids: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
     "waystation_next_ids", default=None
 )
-"""(trace id, span id) the next span started gets (0: the SDK's own choice)."""
+"""(trace id, span id) the next span started gets (0: the generator's own choice)."""
 
 
 class Tracing:
-    """The live implementation: an SDK tracer provider and how to dump a test's spans."""
+    """The live implementation: a tracer on the chosen provider, and how to dump a test's
+    spans. ``owned``: the provider is Waystation's own (it shuts it down)."""
 
-    def __init__(self, tracer: Tracer, provider: Any, memory: Any, dump_to: str | None) -> None:
+    def __init__(
+        self,
+        tracer: Tracer,
+        provider: Any,
+        *,
+        owned: bool,
+        memory: Any = None,
+        dump_to: str | None = None,
+    ) -> None:
         self.tracer = tracer
         self.provider = provider
+        self.owned = owned
         self.memory = memory
         self.dump_to = dump_to
         self.closed = False
@@ -111,6 +140,13 @@ class Tracing:
         return span_hex(trace_id, key)
 
     def shutdown(self) -> None:
+        if not self.owned:
+            # the application's provider: out with what is queued, the rest is the
+            # application's to close (other workers of the process may still use it)
+            flush = getattr(self.provider, "force_flush", None)
+            if flush is not None:
+                flush()
+            return
         with self.lock:
             if self.closed:
                 return
@@ -154,20 +190,35 @@ def active() -> bool:
     return current is not None
 
 
-def configure() -> bool:
-    """Turn tracing on when the environment asks for it (``OTEL_TRACES_EXPORTER``) and the
-    ``otel`` extra is installed; once per process. True when spans are produced."""
+def configure(provider: TracerProvider | None = None) -> bool:
+    """Turn tracing on, on the provider chosen as the module says; True when spans are
+    produced. Decided once per process, except that a ``provider`` given later still turns it
+    on."""
     global current, _configured
-    if _configured:
-        return current is not None
+    if current is not None:
+        if provider is not None and provider is not current.provider:
+            log.warning(
+                "tracing: this process already sends its spans to another tracer provider; "
+                "the one given to this worker is not used"
+            )
+        return True
+    if _configured and provider is None:
+        return False
     _configured = True
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    given = provider if provider is not None else _global_provider()
+    if given is not None:
+        current = _adopt(given)
+        if current is not None:
+            log.info("tracing on: spans go to the application's %s", type(given).__name__)
+        return current is not None
     wanted = [
         name.strip().lower()
         for name in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",")
         if name.strip() and name.strip().lower() != "none"
     ]
-    disabled = os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
-    if not wanted or disabled:
+    if not wanted:
         return False
     try:
         current = _build(wanted)
@@ -179,15 +230,70 @@ def configure() -> bool:
             missing,
         )
         return False
-    if current is not None:
-        atexit.register(shutdown)
-        log.info("tracing on: exporting spans to %s", ",".join(wanted))
-    return current is not None
+    atexit.register(shutdown)
+    log.info("tracing on: exporting spans to %s", ",".join(wanted))
+    return True
 
 
-def _build(wanted: list[str], *, install: bool = True) -> Tracing | None:
-    """A tracer provider exporting to ``wanted``; ``install`` makes it the process's own (so
-    that a handler's spans, through ``opentelemetry.trace.get_tracer``, nest in its run)."""
+def _global_provider() -> Any:
+    """The global tracer provider if the application set one, else None. Not imported to ask:
+    an application that set one has imported ``opentelemetry.trace`` already."""
+    trace = sys.modules.get("opentelemetry.trace")
+    if trace is None:
+        return None
+    provider = trace.get_tracer_provider()
+    return None if isinstance(provider, trace.ProxyTracerProvider) else provider
+
+
+def _adopt(provider: Any) -> Tracing | None:
+    """Waystation's tracer on the application's ``provider``; None for a no-op provider (the
+    application chose no spans)."""
+    from opentelemetry import trace
+
+    if isinstance(provider, trace.NoOpTracerProvider):
+        return None
+    tracer = provider.get_tracer("waystation")
+    ids = getattr(tracer, "id_generator", None)
+    if ids is None:
+        log.warning(
+            "tracing: the tracer provider %s is not OpenTelemetry's SDK: Waystation's spans get "
+            "its ids, not the ids the messages name as their parents",
+            type(provider).__name__,
+        )
+    elif not isinstance(ids, _derived_ids()):
+        tracer.id_generator = _derived_ids()(ids)
+    return Tracing(tracer, provider, owned=False)
+
+
+@functools.cache
+def _derived_ids() -> type[Any]:
+    """The id generator of Waystation's tracer (a class made on first use: it subclasses the
+    SDK's, which is imported only when tracing is on)."""
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
+
+    class DerivedIds(IdGenerator):
+        """``inner``'s ids, unless a step's derived ids are asked for (``_next_ids``)."""
+
+        def __init__(self, inner: IdGenerator) -> None:
+            self.inner = inner
+
+        def generate_trace_id(self) -> int:
+            wanted = _next_ids.get()
+            return wanted[0] if wanted else self.inner.generate_trace_id()
+
+        def generate_span_id(self) -> int:
+            wanted = _next_ids.get()
+            return wanted[1] if wanted and wanted[1] else self.inner.generate_span_id()
+
+        def is_trace_id_random(self) -> bool:
+            return self.inner.is_trace_id_random()
+
+    return DerivedIds
+
+
+def _build(wanted: list[str], *, install: bool = True) -> Tracing:
+    """A tracer provider of Waystation's own exporting to ``wanted``; ``install`` makes it the
+    process's global one (configure calls this only when no one had set that)."""
     from opentelemetry import trace
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -199,20 +305,11 @@ def _build(wanted: list[str], *, install: bool = True) -> Tracing | None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
-    class Ids(RandomIdGenerator):
-        """The SDK's random ids, unless a step's derived ids are asked for."""
-
-        def generate_trace_id(self) -> int:
-            wanted = _next_ids.get()
-            return wanted[0] if wanted else super().generate_trace_id()
-
-        def generate_span_id(self) -> int:
-            wanted = _next_ids.get()
-            return wanted[1] if wanted and wanted[1] else super().generate_span_id()
-
     attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": "waystation"}
     provider = TracerProvider(
-        resource=Resource.create(attributes), id_generator=Ids(), shutdown_on_exit=False
+        resource=Resource.create(attributes),
+        id_generator=_derived_ids()(RandomIdGenerator()),
+        shutdown_on_exit=False,
     )
     memory = None
     for name in wanted:
@@ -228,7 +325,9 @@ def _build(wanted: list[str], *, install: bool = True) -> Tracing | None:
     if install:
         trace.set_tracer_provider(provider)
     tracer = provider.get_tracer("waystation")
-    return Tracing(tracer, provider, memory, os.environ.get(TEST_SPANS_FILE))
+    return Tracing(
+        tracer, provider, owned=True, memory=memory, dump_to=os.environ.get(TEST_SPANS_FILE)
+    )
 
 
 def _otlp_exporter() -> Any:
@@ -242,7 +341,8 @@ def _otlp_exporter() -> Any:
 
 
 def shutdown() -> None:
-    """Flush and stop exporting (the worker stopping); a test exporter writes its file."""
+    """Flush and stop exporting (the worker stopping); a test exporter writes its file. A
+    provider that is the application's is only flushed."""
     if current is not None:
         try:
             current.shutdown()
