@@ -447,5 +447,8 @@ def _context_of(delivery: Delivery, kind: str) -> dict[str, str | None]:
         # a task's id is its message id (a peer request's is its sub-task id); resume and
         # cancel name theirs in the body, and it joins the context when the stream is read
         task = delivery.message_id if (delivery.type or TYPE_TASK) == TYPE_TASK else None
-    trace = trace_id_of(delivery.headers, "") or None
+    # a new task without a trace of its own starts one under its id, as its flow decides: named
+    # here, its handler's lines print the trace id of its spans too
+    untraced = task if kind == "tasks" and task else ""
+    trace = trace_id_of(delivery.headers, untraced) or None
     return {"task_id": task, "subtask_id": subtask, "trace_id": trace}

@@ -3,7 +3,7 @@
 Every hook of the worker into OpenTelemetry is here, in three parts:
 
 * ``ids``: trace and span ids and ``traceparent`` headers, pure functions that
-  ``waystation.wire`` uses whether or not tracing is on;
+  ``waystation.wire`` and ``waystation.logs`` use whether or not tracing is on;
 * ``provider``: which tracer provider the spans go to (one given to the worker, the
   application's own, or Waystation's from ``OTEL_TRACES_EXPORTER``), and the tracer on it;
 * ``spans``: the hooks the worker calls, and the spans they start.
@@ -27,12 +27,12 @@ The spans of one task (docs/observability.md, "OpenTelemetry spans"):
 One trace: the trace id is the task's trace id as Waystation carries it (``x-waystation-trace-id``,
 ``TaskContext.trace_id``, ``EventMetadata.trace_id``), used as the W3C trace id when it is one (32
 hex digits, as taken from a publisher's ``traceparent``) and hashed into one otherwise (a task id,
-when the publisher sent no trace): a root task and everything it calls share it. The span ids of
-what the log records (pause, call, reply, resume, outcome) are derived from the task and the
-event, so the messages an append implies can name their parent span in ``traceparent`` before
-the append commits, and any worker names the same span the same way: every message the worker
-publishes carries ``traceparent`` (computed whether or not this worker exports spans), and every
-message it consumes is read for it.
+when the publisher sent no trace): a root task and everything it calls share it, and its log
+lines print it. The span ids of what the log records (pause, call, reply, resume, outcome) are
+derived from the task and the event, so the messages an append implies can name their parent
+span in ``traceparent`` before the append commits, and any worker names the same span the same
+way: every message the worker publishes carries ``traceparent`` (computed whether or not this
+worker exports spans), and every message it consumes is read for it.
 """
 
 from __future__ import annotations

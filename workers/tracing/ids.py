@@ -1,7 +1,8 @@
 """Trace and span ids, and W3C ``traceparent`` headers: pure functions, no OpenTelemetry.
 
-``waystation.wire`` puts a ``traceparent`` on every message a worker publishes, whether or not
-this worker exports spans; the spans (``waystation.tracing.spans``) use the same ids.
+``waystation.wire`` puts a ``traceparent`` on every message a worker publishes and the logs print
+:func:`trace_hex` of the task's trace id (``waystation.logs``), whether or not this worker
+exports spans; the spans (``waystation.tracing.spans``) use the same ids, so the three join.
 """
 
 from __future__ import annotations
