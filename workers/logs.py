@@ -5,6 +5,12 @@ id and trace id (where they apply) and the worker's id, without each call site p
 ``log_context`` sets them in context variables, and aio-pika runs each delivery in its own
 asyncio task, so one message's context never leaks into another's.
 
+The trace id printed is the W3C one, as the task's spans have it (32 hex digits,
+``waystation.tracing.ids.trace_hex``), so that a search of the logs by a span's trace id finds
+its lines. When the task's trace id as Waystation carries it is something else (a publisher's
+``x-waystation-trace-id``, or the task's own id), that is printed too, as
+``waystation_trace_id``.
+
 ``WAYSTATION_LOG_FORMAT`` chooses: ``json`` (one object per line), ``text``, or ``auto`` (text
 when stderr is a terminal, JSON otherwise, e.g. in a container).
 """
@@ -21,9 +27,11 @@ from typing import Any, Literal, TextIO
 
 import orjson
 
+from waystation.tracing.ids import trace_hex
+
 __all__ = ["CONTEXT_FIELDS", "configure_logging", "current_context", "log_context"]
 
-CONTEXT_FIELDS = ("task_id", "subtask_id", "trace_id")
+CONTEXT_FIELDS = ("task_id", "subtask_id", "trace_id", "waystation_trace_id")
 """Per-message fields, in the order a text line shows them."""
 
 _context: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
@@ -73,9 +81,21 @@ class _ContextFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.waystation = {
             **({"worker_id": self.worker_id} if self.worker_id else {}),
-            **_context.get(),
+            **_printed(_context.get()),
         }
         return True
+
+
+def _printed(context: Mapping[str, str]) -> Mapping[str, str]:
+    """``context`` as a line prints it: the trace id as the spans have it (here, not where the
+    context is set: a line is logged far less often than a message is handled)."""
+    trace = context.get("trace_id")
+    if trace is None:
+        return context
+    w3c = trace_hex(trace)
+    if w3c == trace:
+        return context
+    return {**context, "trace_id": w3c, "waystation_trace_id": trace}
 
 
 class JsonFormatter(logging.Formatter):
@@ -97,7 +117,7 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
-    """``time LEVEL logger message [task=… subtask=… trace=…]``."""
+    """``time LEVEL logger message [task=… subtask=… trace=… waystation_trace=…]``."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")

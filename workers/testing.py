@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from waystation.agent import App
 from waystation.brokers.memory import InMemoryBroker, InMemoryConnection, StoredMessage
@@ -34,6 +34,9 @@ from waystation.runtime.settle import crash_limit
 from waystation.runtime.worker import Worker
 from waystation.settings import Settings
 from waystation.slots.memory import MemorySlotLeases
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 __all__ = ["InMemoryPool"]
 
@@ -57,7 +60,8 @@ class InMemoryPool:
 
     ``settings`` (or keyword overrides of :data:`DEFAULTS`, by setting name) configure every
     worker; the broker's delivery limit follows them, as the deployment's RabbitMQ policy
-    would. Use it as an ``async with`` block, or call :meth:`start` and :meth:`close`."""
+    would. ``tracer_provider`` is the OpenTelemetry provider the workers' spans go to
+    (``Worker``'s). Use it as an ``async with`` block, or call :meth:`start` and :meth:`close`."""
 
     def __init__(
         self,
@@ -65,11 +69,13 @@ class InMemoryPool:
         *,
         workers: int = 1,
         settings: Settings | None = None,
+        tracer_provider: TracerProvider | None = None,
         **overrides: Any,
     ) -> None:
         if workers < 1:
             raise ValueError(f"an in-memory pool needs at least one worker, not {workers}")
         self.app = app
+        self.tracer_provider = tracer_provider
         self.settings = settings or Settings(**{**DEFAULTS, **overrides})
         self.names = Names(self.settings.queue_prefix)
         # the broker's own backstop, as the deployment's RabbitMQ policy sets it
@@ -109,6 +115,7 @@ class InMemoryPool:
             self.store,
             broker=self.broker.connection(name),
             slots=self.slots,
+            tracer_provider=self.tracer_provider,
         )
         await worker.start()
         self.workers.append(worker)

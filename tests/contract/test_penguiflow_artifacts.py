@@ -1,4 +1,4 @@
-"""PenguiFlow's artifact store on Waystation (``workers/penguiflow/artifacts.py``), run against
+"""PenguiFlow's artifact store on Waystation (``workers/penguiflow/artifacts/``), run against
 every backend of its port.
 
 :class:`ArtifactStoreContract` holds the suite; each backend subclasses it and provides the
@@ -272,7 +272,7 @@ class ArtifactStoreContract:
         store, scope = backend.store(), fresh_scope()
         ref = await store.put_bytes(content("honest"), scope=scope)
         await backend.tamper(ref.id, content("forged"))
-        with caplog.at_level(logging.ERROR, logger="waystation.penguiflow.artifacts"):
+        with caplog.at_level(logging.ERROR, logger="waystation.penguiflow.artifacts.port"):
             assert await store.get(ref.id) is None
         assert f"artifact {ref.id}: its bytes do not match their SHA-256" in caplog.text
         assert await store.get_ref(ref.id) == ref, "the reference itself is intact"

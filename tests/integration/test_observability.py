@@ -26,6 +26,7 @@ from waystation.events.postgres import PostgresEventStore
 from waystation.example import expected_total
 from waystation.protocol.wire import Names
 from waystation.settings import Settings
+from waystation.tracing import trace_hex
 
 from ..support import eventually, start_example_workers
 from .test_cli import run_cli
@@ -247,7 +248,9 @@ async def test_a_trace_id_travels_through_every_peer_call_into_events_logs_and_h
         assert {e.metadata.get("trace_id") for e in events} == {expected}, task_id
 
     lines = json_log(log_path)
-    traced = [line for line in lines if line.get("trace_id") == trace]
+    # each line prints the trace id the task's spans have, and the one it was given
+    traced = [line for line in lines if line.get("trace_id") == trace_hex(trace)]
+    assert {line.get("waystation_trace_id") for line in traced} == {trace}
     messages = [str(line["message"]) for line in traced]
     handled = {message.split(" ")[0] for message in messages if "ack after" in message}
     assert handled == {"task", "result"}, traced
@@ -258,6 +261,10 @@ async def test_a_trace_id_travels_through_every_peer_call_into_events_logs_and_h
     assert {line["task_id"] for line in researcher_lines} == subtasks
     assert all(line["worker_id"] == lines[-1]["worker_id"] for line in lines)
     assert {line.get("task_id") for line in traced} >= {given}
+    # a W3C trace id is printed as it is; a task without a trace prints its own id's
+    for task_id, printed in [(w3c, w3c_trace), (plain, trace_hex(plain))]:
+        of_it = [line for line in lines if str(line.get("task_id", "")).startswith(task_id)]
+        assert of_it and {line.get("trace_id") for line in of_it} == {printed}, of_it
 
     shown = await asyncio.to_thread(run_cli, settings, "history", given)
     assert shown.returncode == 0, shown.stderr

@@ -32,6 +32,8 @@ from waystation.protocol.wire import (
 from waystation.tracing import (
     call_key,
     end_key,
+    pause_key,
+    provider,
     reply_key,
     resume_key,
     span_hex,
@@ -118,16 +120,15 @@ def test_a_result_answered_without_the_log_names_the_completion() -> None:
 
 def test_hooks_are_no_ops_when_tracing_is_off() -> None:
     assert not tracing.active()
-    assert tracing.run("t", "a", 0, None) is tracing.consuming({}) is tracing._NULL
+    assert tracing.run("t", "a", 0, None) is tracing.consuming({}) is tracing.spans._NULL
     tracing.recorded(_state(), [_paused()])  # nothing to do, nothing raised
 
 
 @pytest.fixture
 def memory(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     require(otel_capability(), "the spans")
-    impl = tracing._build(["waystation-test"], install=False)
-    assert impl is not None
-    monkeypatch.setattr(tracing, "_impl", impl)
+    impl = provider._build(["waystation-test"], install=False)
+    monkeypatch.setattr(provider, "current", impl)
     yield impl.memory
     impl.provider.shutdown()
 
@@ -150,7 +151,7 @@ def test_a_first_run_hangs_from_the_publishers_span_and_its_pause_from_the_run(
     assert f"{run.context.trace_id:032x}" == HEX_TRACE
     assert run.parent.span_id == 0x00F067AA0BA902B7
     assert pause.parent.span_id == run.context.span_id
-    assert pause.context.span_id == int(span_hex(HEX_TRACE, tracing.pause_key("task-1", 1)), 16)
+    assert pause.context.span_id == int(span_hex(HEX_TRACE, pause_key("task-1", 1)), 16)
     calls = [s for s in memory.get_finished_spans() if s.name == "call peer"]
     assert [c.context.span_id for c in calls] == [
         int(span_hex(HEX_TRACE, call_key(f"task-1:1:{i}")), 16) for i in range(2)
@@ -208,8 +209,8 @@ def test_without_the_extra_tracing_stays_off(monkeypatch: pytest.MonkeyPatch) ->
     # as if opentelemetry were not installed: the worker runs on, without spans
     monkeypatch.setitem(sys.modules, "opentelemetry", None)
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
-    monkeypatch.setattr(tracing, "_configured", False)
-    monkeypatch.setattr(tracing, "_impl", None)
+    monkeypatch.setattr(provider, "_configured", False)
+    monkeypatch.setattr(provider, "current", None)
     assert tracing.configure() is False
     assert not tracing.active()
     assert tracing.configure() is False  # once per process
@@ -222,6 +223,105 @@ def test_tracing_is_off_unless_an_exporter_is_asked_for(monkeypatch: pytest.Monk
             monkeypatch.setenv(name, value)
         if not variables:
             monkeypatch.delenv("OTEL_TRACES_EXPORTER")
-        monkeypatch.setattr(tracing, "_configured", False)
-        monkeypatch.setattr(tracing, "_impl", None)
+        monkeypatch.setattr(provider, "_configured", False)
+        monkeypatch.setattr(provider, "current", None)
         assert tracing.configure() is False, variables
+
+
+# ---- which provider the spans go to -------------------------------------------------------------
+
+
+@pytest.fixture
+def unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenTelemetry's global provider and Waystation's choice as if nothing had set them yet
+    (both are once per process: restored after the test)."""
+    require(otel_capability(), "the providers")
+    from opentelemetry import trace
+    from opentelemetry.util._once import Once
+
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER", None)
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER_SET_ONCE", Once())
+    monkeypatch.setattr(provider, "current", None)
+    monkeypatch.setattr(provider, "_configured", False)
+    for name in ("OTEL_TRACES_EXPORTER", "OTEL_SDK_DISABLED", "OTEL_PYTHON_TRACER_PROVIDER"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _app_provider() -> tuple[Any, Any]:
+    """An application's own SDK provider, exporting to memory."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exported = InMemorySpanExporter()
+    own = TracerProvider()
+    own.add_span_processor(SimpleSpanProcessor(exported))
+    return own, exported
+
+
+def test_an_application_that_set_its_own_provider_gets_waystations_spans_in_it(
+    unset: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from opentelemetry import trace
+
+    own, exported = _app_provider()
+    trace.set_tracer_provider(own)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")  # would make a provider of Waystation's
+    assert tracing.configure()
+    assert trace.get_tracer_provider() is own, "the application's provider stays the global one"
+    with tracing.consuming({}):
+        with tracing.run("task-1", "boss", 0, "trace-1"):
+            trace.get_tracer("app").start_span("the handler's own").end()
+        tracing.recorded(_state(), [TaskStarted(agent="boss", input=None), _paused(k=1)])
+    spans = _spans(exported)
+    assert set(spans) == {"run boss", "the handler's own", "pause boss", "call peer"}
+    assert {f"{s.context.trace_id:032x}" for s in spans.values()} == {trace_hex("trace-1")}
+    assert spans["the handler's own"].parent.span_id == spans["run boss"].context.span_id
+    # the step spans have their derived ids in the application's provider too
+    assert spans["pause boss"].context.span_id == int(
+        span_hex("trace-1", pause_key("task-1", 1)), 16
+    )
+    assert spans["call peer"].context.span_id == int(
+        span_hex("trace-1", call_key("task-1:1:0")), 16
+    )
+    # the application's own spans keep its generator, and its provider stays open
+    assert trace.get_tracer("app").id_generator is own.id_generator
+    tracing.shutdown()
+    trace.get_tracer("app").start_span("after the worker stopped").end()
+    assert "after the worker stopped" in _spans(exported)
+    own.shutdown()
+
+
+def test_a_provider_given_to_the_worker_is_used_before_the_global_one(unset: None) -> None:
+    from opentelemetry import trace
+
+    global_one, in_global = _app_provider()
+    given, in_given = _app_provider()
+    trace.set_tracer_provider(global_one)
+    assert tracing.configure(given)
+    with tracing.consuming({}), tracing.run("task-1", "boss", 0, None):
+        pass
+    assert list(_spans(in_given)) == ["run boss"] and not in_global.get_finished_spans()
+    assert tracing.configure(global_one), "once per process: the first choice stays"
+    given.shutdown()
+    global_one.shutdown()
+
+
+def test_a_no_op_provider_set_by_the_application_keeps_tracing_off(unset: None) -> None:
+    from opentelemetry import trace
+
+    trace.set_tracer_provider(trace.NoOpTracerProvider())
+    assert tracing.configure() is False
+    assert not tracing.active()
+
+
+def test_waystation_makes_its_own_provider_the_global_one_only_when_none_is_set(
+    unset: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from opentelemetry import trace
+
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "waystation-test")
+    assert tracing.configure()
+    assert provider.current is not None and provider.current.owned
+    assert trace.get_tracer_provider() is provider.current.provider
+    provider.current.provider.shutdown()

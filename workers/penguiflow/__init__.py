@@ -57,7 +57,7 @@ def create_memory_store(store: EventStore | None = None, **options: Any) -> Ways
 
 def _artifacts(store: EventStore) -> WaystationArtifactStore:
     """The artifact store beside ``store``: the table ``penguiflow_artifacts`` of the same
-    database for PostgreSQL, memory otherwise (``workers/penguiflow/artifacts.py``)."""
+    database for PostgreSQL, memory otherwise (``workers/penguiflow/artifacts/``)."""
     from waystation.events.postgres import PostgresEventStore
 
     if isinstance(store, PostgresEventStore):

@@ -28,6 +28,12 @@ No method raises into PenguiFlow (the spec's "must not throw"): each is bounded 
 and a failure is logged (``statestore_<method>_failed``), counted in :attr:`errors` (and the
 ``waystation_penguiflow_store_errors_total`` counter when a registry is given) and answered with
 the spec's safe default (nothing saved; ``[]`` or ``None`` read).
+
+Why one module of some 480 lines: it has one job, PenguiFlow's protocol method by method, each a
+few lines over :class:`~waystation.penguiflow.streams.LogWriter` (how records are appended and
+encoded is already apart, in ``streams``). Splitting it by PenguiFlow's capability protocols
+would mean mixins sharing the guard, the writer and the reader, and a method looked for in
+several files.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from waystation import tracing
 from waystation.agent import AgentSpec, App
@@ -54,6 +55,9 @@ from waystation.settings import Settings
 from waystation.slots import SlotLeases
 from waystation.slots.postgres import PostgresSlotLeases
 
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
+
 __all__ = ["Worker", "WorkerStats"]
 
 log = logging.getLogger(__name__)
@@ -71,7 +75,9 @@ class Worker:
     ``settings.amqp_url``. ``slots`` is where the pool keeps the slots of its agents'
     ``concurrency`` and ``rate`` (``waystation.slots``), needed only when an agent declares one; by
     default the table of the event log's database, when the log is in PostgreSQL. Every worker
-    of a pool must share it.
+    of a pool must share it. ``tracer_provider`` is the application's OpenTelemetry provider for
+    the spans of its tasks; by default the global one the application set, if any
+    (``waystation.tracing.provider``).
     """
 
     def __init__(
@@ -85,8 +91,10 @@ class Worker:
         clock: Callable[[], float] = time.time,
         metrics: Metrics | None = None,
         slots: SlotLeases | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         self.app = app
+        self.tracer_provider = tracer_provider
         self.settings = settings
         self.store = store
         self.names = Names(settings.queue_prefix, settings.reply_shards)
@@ -215,7 +223,7 @@ class Worker:
 
     async def start(self) -> None:
         """Connect, declare the topology, start consuming, sweeping and relaying."""
-        tracing.configure()
+        tracing.configure(self.tracer_provider)
         await self.broker.connect()
         await self.broker.declare(self.names, self.app.agents)
         await self.routes.claim_homes()
@@ -435,5 +443,8 @@ def _context_of(delivery: Delivery, kind: str) -> dict[str, str | None]:
         # a task's id is its message id (a peer request's is its sub-task id); resume and
         # cancel name theirs in the body, and it joins the context when the stream is read
         task = delivery.message_id if (delivery.type or TYPE_TASK) == TYPE_TASK else None
-    trace = trace_id_of(delivery.headers, "") or None
+    # a new task without a trace of its own starts one under its id, as its flow decides: named
+    # here, its handler's lines print the trace id of its spans too
+    untraced = task if kind == "tasks" and task else ""
+    trace = trace_id_of(delivery.headers, untraced) or None
     return {"task_id": task, "subtask_id": subtask, "trace_id": trace}
