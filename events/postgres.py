@@ -358,7 +358,7 @@ def _sqlstate(error: BaseException) -> str | None:
 def translate_error(error: Exception) -> EventStoreError:
     """Map a driver or SQLAlchemy error to the log's own hierarchy (see
     ``waystation.events.errors``); for other tables of the same database too
-    (``waystation.penguiflow.artifacts``)."""
+    (``waystation.contrib.penguiflow.artifacts``)."""
     if isinstance(
         error, (asyncpg.exceptions._base.DataError, asyncpg.exceptions.ClientConfigurationError)
     ):

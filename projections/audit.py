@@ -340,7 +340,7 @@ def _summary(event: RecordedEvent, parsed: DomainEvent | None, span: PauseSpan |
         return f"ignored {parsed.reason}{outcome} reply for {parsed.subtask_id}"
     if isinstance(parsed, UnknownEvent):
         if parsed.reason == "unknown-type" and parsed.type_name.startswith("penguiflow."):
-            # a PenguiFlow record (workers/penguiflow): its fields of note, as they are
+            # a PenguiFlow record (workers/contrib/penguiflow): its fields of note, as they are
             shown = {
                 k: v
                 for k, v in event.data.items()

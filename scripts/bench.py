@@ -17,7 +17,8 @@ beside them, three to four minutes, so that it can be run before and after every
 * ``append``: event appends to the PostgreSQL log, batched, by concurrent writers
   (:mod:`_bench.append`);
 * ``rebuild``: projection rebuilds from position zero (:mod:`_bench.rebuild`);
-* ``statestore``: PenguiFlow's ``save_event`` through ``waystation.penguiflow`` on the log, by
+* ``statestore``: PenguiFlow's ``save_event`` through ``waystation.contrib.penguiflow`` on the log,
+by
   concurrent callers (:mod:`_bench.statestore`; needs ``waystation[penguiflow]``).
 
 Each run of the worker modes gets a fresh database (``waystation_bench_<random>``, migrated,

@@ -1,8 +1,8 @@
 """PenguiFlow's artifacts: blobs with a time to live, in a table of their own.
 
 Artifacts (up to 50 MB each) expire and may be deleted, so they cannot live in the append-only
-event log. ``workers/penguiflow/artifacts/postgres.py`` (``PostgresBlobs``) reads and writes this
-table and holds its ``sqlalchemy.Table``; keep the two in step. ``session_id`` and ``trace_id``
+event log. ``workers/contrib/penguiflow/artifacts/postgres.py`` (``PostgresBlobs``) reads and writes
+this table and holds its ``sqlalchemy.Table``; keep the two in step. ``session_id`` and ``trace_id``
 repeat the scope's, for the per-session and per-trace limits; ``expires_at`` is NULL for an
 artifact that never expires; ``last_access`` orders least-recently-used eviction.
 

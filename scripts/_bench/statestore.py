@@ -1,7 +1,7 @@
 """The PenguiFlow StateStore benchmark: how fast ``save_event`` records a flow's events in the log.
 
 A fresh database (``waystation_bench_statestore_<random>``, migrated, dropped at the end) and
-the real adapter, ``waystation.penguiflow.WaystationStateStore`` on
+the real adapter, ``waystation.contrib.penguiflow.WaystationStateStore`` on
 :class:`waystation.events.postgres.PostgresEventStore` (a pool of 8 connections), as one process of
 a PenguiFlow deployment would hold it. ``concurrency`` callers save ``events`` distinct events
 (``node_start``/``node_success`` of a flow, with the runtime's payload fields) spread over
@@ -85,7 +85,7 @@ async def statestore_benchmark(
     admin_url: str, *, events: int, traces: int, concurrency: int, runs: int
 ) -> dict[str, Any]:
     """``runs`` runs of the distinct and the half-repeated phase; every run and the medians."""
-    from waystation.penguiflow import WaystationStateStore
+    from waystation.contrib.penguiflow import WaystationStateStore
 
     url = with_database(admin_url, f"waystation_bench_statestore_{uuid.uuid4().hex[:8]}")
     await migrations.upgrade(url)

@@ -1,5 +1,5 @@
-"""PenguiFlow's artifact store on Waystation (``workers/penguiflow/artifacts/``), run against
-every backend of its port.
+"""PenguiFlow's artifact store on Waystation (``workers/contrib/penguiflow/artifacts/``), run
+against every backend of its port.
 
 :class:`ArtifactStoreContract` holds the suite; each backend subclasses it and provides the
 ``backend`` fixture (:class:`Backend`: stores over one backend, and what a test must do behind a
@@ -52,7 +52,7 @@ if INSTALLED:  # else every test stops at require() before it needs these
         discover_artifact_store,
     )
 
-    from waystation.penguiflow.artifacts import (
+    from waystation.contrib.penguiflow.artifacts import (
         Blob,
         MemoryBlobs,
         PostgresBlobs,
@@ -272,7 +272,7 @@ class ArtifactStoreContract:
         store, scope = backend.store(), fresh_scope()
         ref = await store.put_bytes(content("honest"), scope=scope)
         await backend.tamper(ref.id, content("forged"))
-        with caplog.at_level(logging.ERROR, logger="waystation.penguiflow.artifacts.port"):
+        with caplog.at_level(logging.ERROR, logger="waystation.contrib.penguiflow.artifacts.port"):
             assert await store.get(ref.id) is None
         assert f"artifact {ref.id}: its bytes do not match their SHA-256" in caplog.text
         assert await store.get_ref(ref.id) == ref, "the reference itself is intact"

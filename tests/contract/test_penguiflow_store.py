@@ -1,4 +1,5 @@
-"""PenguiFlow's StateStore on Waystation's log (``workers/penguiflow``), against both backends.
+"""PenguiFlow's StateStore on Waystation's log (``workers/contrib/penguiflow``), against both
+backends.
 
 :class:`StateStoreContract` covers every method of PenguiFlow 3.11's protocol and every required
 case of its spec (``shared/seeds/penguiflow-statestore-spec.md``); it runs on the in-memory log
@@ -47,7 +48,7 @@ from penguiflow.steering import (  # noqa: E402
     MAX_STEERING_STRING,
 )
 
-from waystation.penguiflow import (  # noqa: E402
+from waystation.contrib.penguiflow import (  # noqa: E402
     GLOBAL_TRACE,
     WaystationStateStore,
     create_memory_store,
@@ -659,7 +660,7 @@ class TestOnPostgreSQL(StateStoreContract):
 
 
 def test_a_long_or_odd_key_gets_a_stream_name_the_index_can_hold() -> None:
-    from waystation.penguiflow.streams import stream_name
+    from waystation.contrib.penguiflow.streams import stream_name
 
     assert stream_name("trace", "abc") == "penguiflow:trace:abc"
     assert stream_name("memory", "tenant:user:s") == "penguiflow:memory:tenant:user:s"

@@ -24,9 +24,9 @@ from scripts.lab.harness.processes import (
 from waystation.client import Client
 from waystation.events.postgres import PostgresEventStore
 from waystation.example import expected_total
+from waystation.observability.tracing import trace_hex
 from waystation.protocol.wire import Names
 from waystation.settings import Settings
-from waystation.tracing import trace_hex
 
 from ..support import eventually, start_example_workers
 from .test_cli import run_cli

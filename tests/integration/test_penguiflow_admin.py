@@ -1,5 +1,5 @@
-"""A real PenguiFlow flow saves its events through ``waystation.penguiflow``; PenguiFlow's own admin
-CLI (``penguiflow-admin history`` and ``replay``) then reads them back from PostgreSQL in
+"""A real PenguiFlow flow saves its events through ``waystation.contrib.penguiflow``; PenguiFlow's
+own admin CLI (``penguiflow-admin history`` and ``replay``) then reads them back from PostgreSQL in
 another process, loading the adapter by its factory as a user would, and ``waystation verify``
 checks the streams it wrote."""
 
@@ -22,7 +22,7 @@ require(penguiflow_capability(), "the penguiflow-admin tests")
 
 from penguiflow import Headers, Message, Node, NodePolicy, create  # noqa: E402
 
-from waystation.penguiflow import create_store  # noqa: E402
+from waystation.contrib.penguiflow import create_store  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -62,7 +62,7 @@ def admin(database_url: str, *args: str) -> subprocess.CompletedProcess[str]:
             str(BIN / "penguiflow-admin"),
             *args,
             "--state-store",
-            "waystation.penguiflow:create_store",
+            "waystation.contrib.penguiflow:create_store",
         ],
         env=env,
         capture_output=True,

@@ -21,9 +21,9 @@ import pytest
 
 from scripts.lab.harness.clients import RecordingClient
 from scripts.lab.harness.processes import WorkerProcess, stop_all, worker_logs
+from waystation.observability.tracing import TEST_SPANS_FILE, trace_hex
 from waystation.protocol.wire import CONTENT_TYPE, HEADER_TRACEPARENT, TYPE_TASK, Names
 from waystation.settings import Settings
-from waystation.tracing import TEST_SPANS_FILE, trace_hex
 
 from ..support import Services, eventually, otel_capability, require, start_example_workers
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from waystation.agent import App, TaskContext
 from waystation.events import Call, Complete, InvalidTransition, Outcome, Pause
-from waystation.logs import current_context, log_context
+from waystation.observability.logs import current_context, log_context
 from waystation.runtime.flows.base import Steps, invalid_fields, typed_input
 
 

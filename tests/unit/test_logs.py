@@ -11,10 +11,10 @@ import orjson
 import pytest
 
 from waystation import App, Call, Complete, Pause, TaskContext
-from waystation.logs import configure_logging, log_context
+from waystation.observability.logs import configure_logging, log_context
+from waystation.observability.tracing import provider, trace_hex
 from waystation.protocol.wire import trace_id_of
 from waystation.testing import InMemoryPool
-from waystation.tracing import provider, trace_hex
 
 from ..support import otel_capability, require
 

@@ -1,5 +1,5 @@
 """Trace context on the wire (``traceparent`` on every message a worker publishes) and the spans
-of ``waystation.tracing``, with the SDK's in-memory exporter in this process."""
+of ``waystation.observability.tracing``, with the SDK's in-memory exporter in this process."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from waystation import tracing
 from waystation.events import (
     PendingCall,
     ResultRecorded,
@@ -20,16 +19,8 @@ from waystation.events import (
     TaskStarted,
     TaskState,
 )
-from waystation.protocol.wire import (
-    HEADER_TRACE,
-    HEADER_TRACEPARENT,
-    Names,
-    ResultEnvelope,
-    implied_messages,
-    result_message,
-    trace_id_of,
-)
-from waystation.tracing import (
+from waystation.observability import tracing
+from waystation.observability.tracing import (
     call_key,
     end_key,
     pause_key,
@@ -39,6 +30,15 @@ from waystation.tracing import (
     span_hex,
     trace_hex,
     traceparent,
+)
+from waystation.protocol.wire import (
+    HEADER_TRACE,
+    HEADER_TRACEPARENT,
+    Names,
+    ResultEnvelope,
+    implied_messages,
+    result_message,
+    trace_id_of,
 )
 
 from ..support import otel_capability, require

@@ -48,7 +48,7 @@ def main(log_level: str, log_format: str) -> None:
     Settings come from WAYSTATION_* environment variables (see docs/configuration.md).
     Logs go to stderr; results, tables and --json output to stdout.
     """
-    from waystation.logs import configure_logging
+    from waystation.observability.logs import configure_logging
 
     configure_logging(log_level, log_format)  # type: ignore[arg-type]
     context = click.get_current_context()

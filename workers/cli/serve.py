@@ -65,7 +65,7 @@ def run_projections() -> None:
 
 def _log_as_worker(worker_id: str) -> None:
     """Put the worker id on every log line of this process from now on."""
-    from waystation.logs import configure_logging
+    from waystation.observability.logs import configure_logging
 
     options = click.get_current_context().find_root().obj or {}
     configure_logging(

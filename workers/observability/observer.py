@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from waystation import tracing
 from waystation.events import DomainEvent, TaskState
+from waystation.observability import tracing
 from waystation.observability.metrics import Metrics
 
 __all__ = ["FINISHED", "Observer", "WorkerStats"]

@@ -27,7 +27,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from waystation import tracing
 from waystation.events import (
     DomainEvent,
     OutboxMessage,
@@ -40,6 +39,7 @@ from waystation.events import (
     TaskState,
 )
 from waystation.events.codec import dumps
+from waystation.observability import tracing
 
 __all__ = [
     "CONTENT_TYPE",
@@ -67,8 +67,8 @@ HEADER_TRACE = "x-waystation-trace-id"
 HEADER_TRACEPARENT = tracing.HEADER_TRACEPARENT
 """W3C Trace Context: a publisher that sends it (and no HEADER_TRACE) has its trace id used, and
 its span is the parent of the task's first run. Every message a worker publishes carries one
-(``waystation.tracing``), naming the step that sent it: a request its call, a result its task's
-outcome, a resume the resume."""
+(``waystation.observability.tracing``), naming the step that sent it: a request its call, a result
+its task's outcome, a resume the resume."""
 HEADER_ROOT = "x-waystation-root-task"
 """The root task of a call tree; a peer request carries it so every event names its root."""
 
@@ -213,8 +213,8 @@ def trace_id_of(headers: Mapping[str, Any] | None, default: str) -> str:
 
 
 def _headers(state: TaskState, step: str) -> dict[str, Any]:
-    """The headers of a message sent by the step ``step`` (a ``waystation.tracing`` key) of the task
-    ``state``: its root, its trace and, as ``traceparent``, that step's span."""
+    """The headers of a message sent by the step ``step`` (a ``waystation.observability.tracing``
+    key) of the task ``state``: its root, its trace and, as ``traceparent``, that step's span."""
     headers: dict[str, Any] = {HEADER_ROOT: state.root_id or state.task_id}
     if state.trace_id:
         headers[HEADER_TRACE] = state.trace_id

@@ -34,7 +34,7 @@ from waystation.events import (
     VersionConflict,
     event_id,
 )
-from waystation.logs import add_to_context
+from waystation.observability.logs import add_to_context
 from waystation.observability.observer import FINISHED, Observer
 from waystation.protocol.wire import TYPE_RESUME, Names, implied_messages, with_attempts
 from waystation.runtime.combining import Combiner

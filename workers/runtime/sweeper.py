@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 
 from waystation.events import EventStore, ExpiredCall, decide_timeout
-from waystation.logs import log_context
+from waystation.observability.logs import log_context
 from waystation.observability.observer import Observer
 from waystation.runtime.recorder import Cause, Recorder, UnreadableStream
 

@@ -27,7 +27,6 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from waystation import tracing
 from waystation.agent import AgentSpec, App
 from waystation.brokers.amqp.broker import AmqpBroker
 from waystation.brokers.amqp.topology import amqp_user_of
@@ -35,7 +34,8 @@ from waystation.brokers.port import Broker, BrokerError, BrokerUnavailable, Deli
 from waystation.events import EventStore, OutboxMessage, StoreUnavailable, parse_subtask_id
 from waystation.events.codec import dumps
 from waystation.events.postgres import PostgresEventStore
-from waystation.logs import log_context
+from waystation.observability import tracing
+from waystation.observability.logs import log_context
 from waystation.observability.metrics import Health, Metrics
 from waystation.observability.observer import Observer, WorkerStats
 from waystation.protocol.intake import Rejection, inspect
@@ -77,7 +77,7 @@ class Worker:
     default the table of the event log's database, when the log is in PostgreSQL. Every worker
     of a pool must share it. ``tracer_provider`` is the application's OpenTelemetry provider for
     the spans of its tasks; by default the global one the application set, if any
-    (``waystation.tracing.provider``).
+    (``waystation.observability.tracing.provider``).
     """
 
     def __init__(

@@ -15,7 +15,6 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from waystation import tracing
 from waystation.agent import AgentSpec, App, TaskContext
 from waystation.brokers.port import Broker, Delivery
 from waystation.events import (
@@ -30,6 +29,7 @@ from waystation.events import (
     decide_outcome,
 )
 from waystation.events.codec import dumps, loads
+from waystation.observability import tracing
 from waystation.observability.observer import Observer
 from waystation.policies import Backoff, Permanent, TimeLimitExceeded
 from waystation.protocol.wire import Names, ResultEnvelope, result_message

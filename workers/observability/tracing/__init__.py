@@ -3,7 +3,8 @@
 Every hook of the worker into OpenTelemetry is here, in three parts:
 
 * ``ids``: trace and span ids and ``traceparent`` headers, pure functions that
-  ``waystation.protocol.wire`` and ``waystation.logs`` use whether or not tracing is on;
+  ``waystation.protocol.wire`` and ``waystation.observability.logs`` use whether or not tracing is
+  on;
 * ``provider``: which tracer provider the spans go to (one given to the worker, the
   application's own, or Waystation's from ``OTEL_TRACES_EXPORTER``), and the tracer on it;
 * ``spans``: the hooks the worker calls, and the spans they start.
@@ -37,7 +38,7 @@ worker exports spans), and every message it consumes is read for it.
 
 from __future__ import annotations
 
-from waystation.tracing.ids import (
+from waystation.observability.tracing.ids import (
     HEADER_TRACEPARENT,
     call_key,
     end_key,
@@ -49,8 +50,8 @@ from waystation.tracing.ids import (
     trace_hex,
     traceparent,
 )
-from waystation.tracing.provider import TEST_SPANS_FILE, active, configure, shutdown
-from waystation.tracing.spans import consuming, finished_unrecorded, recorded, run
+from waystation.observability.tracing.provider import TEST_SPANS_FILE, active, configure, shutdown
+from waystation.observability.tracing.spans import consuming, finished_unrecorded, recorded, run
 
 __all__ = [
     "HEADER_TRACEPARENT",

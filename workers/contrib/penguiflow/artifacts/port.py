@@ -1,7 +1,7 @@
 """The artifact store's port, :class:`Blobs` (where artifacts are kept), and
 :class:`WaystationArtifactStore`, PenguiFlow's ``ArtifactStore`` over it: ids, hashes, size
 limits and the integrity check are decided here, once for every backend (the semantics are in
-the package's docstring, :mod:`waystation.penguiflow.artifacts`)."""
+the package's docstring, :mod:`waystation.contrib.penguiflow.artifacts`)."""
 
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ id and trace id (where they apply) and the worker's id, without each call site p
 asyncio task, so one message's context never leaks into another's.
 
 The trace id printed is the W3C one, as the task's spans have it (32 hex digits,
-``waystation.tracing.ids.trace_hex``), so that a search of the logs by a span's trace id finds
-its lines. When the task's trace id as Waystation carries it is something else (a publisher's
-``x-waystation-trace-id``, or the task's own id), that is printed too, as
+``waystation.observability.tracing.ids.trace_hex``), so that a search of the logs by a span's trace
+id finds its lines. When the task's trace id as Waystation carries it is something else (a
+publisher's ``x-waystation-trace-id``, or the task's own id), that is printed too, as
 ``waystation_trace_id``.
 
 ``WAYSTATION_LOG_FORMAT`` chooses: ``json`` (one object per line), ``text``, or ``auto`` (text
@@ -27,7 +27,7 @@ from typing import Any, Literal, TextIO
 
 import orjson
 
-from waystation.tracing.ids import trace_hex
+from waystation.observability.tracing.ids import trace_hex
 
 __all__ = ["CONTEXT_FIELDS", "configure_logging", "current_context", "log_context"]
 

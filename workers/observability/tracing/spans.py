@@ -3,8 +3,8 @@ events appended (docs/observability.md, "OpenTelemetry spans").
 
 Each hook is a no-op that costs one check while tracing is off (``provider.current`` is None).
 The step spans (pause, call, reply, resume, outcome) get the ids derived from their task and step
-(``waystation.tracing.ids``): the messages an append implies name them in ``traceparent`` before
-the append commits.
+(``waystation.observability.tracing.ids``): the messages an append implies name them in
+``traceparent`` before the append commits.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from waystation.events import (
     TaskResumed,
     TaskState,
 )
-from waystation.tracing import provider
-from waystation.tracing.ids import (
+from waystation.observability.tracing import provider
+from waystation.observability.tracing.ids import (
     call_key,
     end_key,
     parse_traceparent,
@@ -38,7 +38,7 @@ from waystation.tracing.ids import (
     span_hex,
     trace_hex,
 )
-from waystation.tracing.provider import Tracing
+from waystation.observability.tracing.provider import Tracing
 
 __all__ = ["consuming", "finished_unrecorded", "recorded", "run"]
 

@@ -12,9 +12,9 @@
 ``OTEL_SDK_DISABLED=true`` turns every case off. Waystation flushes a provider it was given (or
 found) when a worker stops and leaves closing it to the application; it shuts down its own.
 
-A step's span gets ids derived from its task and step (``waystation.tracing.ids``): the tracer
-asks its provider's id generator for them, which Waystation wraps (on its own tracer only, so
-the application's spans keep their generator's ids). With a provider that is not the SDK's
+A step's span gets ids derived from its task and step (``waystation.observability.tracing.ids``):
+the tracer asks its provider's id generator for them, which Waystation wraps (on its own tracer
+only, so the application's spans keep their generator's ids). With a provider that is not the SDK's
 there is no generator to wrap: the spans get its ids, and a message may name a parent span that
 was exported under another id.
 
@@ -36,7 +36,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from waystation.tracing.ids import span_hex, trace_hex
+from waystation.observability.tracing.ids import span_hex, trace_hex
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer, TracerProvider

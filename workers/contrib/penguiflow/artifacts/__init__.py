@@ -44,9 +44,14 @@ reference). Scope is stored, not enforced: ``ScopedArtifacts`` and the HTTP laye
 
 from __future__ import annotations
 
-from waystation.penguiflow.artifacts.memory import MemoryBlobs
-from waystation.penguiflow.artifacts.port import EXPIRE_BATCH, Blob, Blobs, WaystationArtifactStore
-from waystation.penguiflow.artifacts.postgres import PostgresBlobs, artifacts_table
+from waystation.contrib.penguiflow.artifacts.memory import MemoryBlobs
+from waystation.contrib.penguiflow.artifacts.port import (
+    EXPIRE_BATCH,
+    Blob,
+    Blobs,
+    WaystationArtifactStore,
+)
+from waystation.contrib.penguiflow.artifacts.postgres import PostgresBlobs, artifacts_table
 
 __all__ = [
     "EXPIRE_BATCH",

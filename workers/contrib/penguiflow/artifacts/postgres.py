@@ -20,8 +20,8 @@ from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from waystation.contrib.penguiflow.artifacts.port import EXPIRE_BATCH, Blob, Blobs
 from waystation.events.postgres import translate_error as _translate
-from waystation.penguiflow.artifacts.port import EXPIRE_BATCH, Blob, Blobs
 
 __all__ = ["PostgresBlobs", "artifacts_table"]
 

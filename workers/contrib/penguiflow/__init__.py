@@ -2,7 +2,7 @@
 
 PenguiFlow's admin CLI loads it by its factory::
 
-    penguiflow-admin history --state-store waystation.penguiflow:create_store TRACE_ID
+    penguiflow-admin history --state-store waystation.contrib.penguiflow:create_store TRACE_ID
 
 :func:`create_store` reads the worker's ``WAYSTATION_*`` settings (the database URL, the queue
 prefix as the records' deployment); :func:`create_memory_store` needs no services (tests, a
@@ -14,10 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 from waystation import migrations
+from waystation.contrib.penguiflow.artifacts import (
+    MemoryBlobs,
+    PostgresBlobs,
+    WaystationArtifactStore,
+)
+from waystation.contrib.penguiflow.store import GLOBAL_TRACE, WaystationStateStore
 from waystation.events import EventStore
 from waystation.events.memory import InMemoryEventStore
-from waystation.penguiflow.artifacts import MemoryBlobs, PostgresBlobs, WaystationArtifactStore
-from waystation.penguiflow.store import GLOBAL_TRACE, WaystationStateStore
 from waystation.settings import Settings
 
 __all__ = [
@@ -57,7 +61,7 @@ def create_memory_store(store: EventStore | None = None, **options: Any) -> Ways
 
 def _artifacts(store: EventStore) -> WaystationArtifactStore:
     """The artifact store beside ``store``: the table ``penguiflow_artifacts`` of the same
-    database for PostgreSQL, memory otherwise (``workers/penguiflow/artifacts/``)."""
+    database for PostgreSQL, memory otherwise (``workers/contrib/penguiflow/artifacts/``)."""
     from waystation.events.postgres import PostgresEventStore
 
     if isinstance(store, PostgresEventStore):

@@ -1,9 +1,9 @@
 """Trace and span ids, and W3C ``traceparent`` headers: pure functions, no OpenTelemetry.
 
-``waystation.protocol.wire`` puts a ``traceparent`` on every message a worker publishes and the logs
-print
-:func:`trace_hex` of the task's trace id (``waystation.logs``), whether or not this worker
-exports spans; the spans (``waystation.tracing.spans``) use the same ids, so the three join.
+``waystation.protocol.wire`` puts a ``traceparent`` on every message a worker publishes, and
+the logs print :func:`trace_hex` of the task's trace id (``waystation.observability.logs``),
+whether or not this worker exports spans; the spans (``waystation.observability.tracing.spans``) use
+the same ids, so the three join.
 """
 
 from __future__ import annotations

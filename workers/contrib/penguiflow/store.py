@@ -22,7 +22,8 @@ Every query is answered from one stream, read through the log's index on ``(stre
 stream_version)``: no projection is needed, and what a method returns is always what the
 log holds at that moment. A repeated save carries the same event id (uuid5 of the spec's
 fingerprint, or of the record's own idempotency key) and is recognised as a duplicate; see
-:mod:`waystation.penguiflow.streams` for how records and last-write-wins registers are appended.
+:mod:`waystation.contrib.penguiflow.streams` for how records and last-write-wins registers are
+appended.
 
 No method raises into PenguiFlow (the spec's "must not throw"): each is bounded by ``timeout``,
 and a failure is logged (``statestore_<method>_failed``), counted in :attr:`errors` (and the
@@ -30,8 +31,8 @@ and a failure is logged (``statestore_<method>_failed``), counted in :attr:`erro
 the spec's safe default (nothing saved; ``[]`` or ``None`` read).
 
 Why one module of some 480 lines: it has one job, PenguiFlow's protocol method by method, each a
-few lines over :class:`~waystation.penguiflow.streams.LogWriter` (how records are appended and
-encoded is already apart, in ``streams``). Splitting it by PenguiFlow's capability protocols
+few lines over :class:`~waystation.contrib.penguiflow.streams.LogWriter` (how records are appended
+and encoded is already apart, in ``streams``). Splitting it by PenguiFlow's capability protocols
 would mean mixins sharing the guard, the writer and the reader, and a method looked for in
 several files.
 """
@@ -61,8 +62,7 @@ from penguiflow.steering import sanitize_steering_event
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as PrometheusCounter
 
-from waystation.events import EventStore, RecordedEvent
-from waystation.penguiflow.streams import (
+from waystation.contrib.penguiflow.streams import (
     LogWriter,
     decode_value,
     derived_id,
@@ -71,6 +71,7 @@ from waystation.penguiflow.streams import (
     jsonable,
     stream_name,
 )
+from waystation.events import EventStore, RecordedEvent
 
 __all__ = ["GLOBAL_TRACE", "WaystationStateStore"]
 

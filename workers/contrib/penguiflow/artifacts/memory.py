@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from penguiflow.artifacts import ArtifactRef, ArtifactRetentionConfig, ArtifactScope, _scope_matches
 
-from waystation.penguiflow.artifacts.port import EXPIRE_BATCH, Blob, Blobs
+from waystation.contrib.penguiflow.artifacts.port import EXPIRE_BATCH, Blob, Blobs
 
 __all__ = ["MemoryBlobs"]
 
