@@ -42,6 +42,7 @@ from waystation.agent import App
 from waystation.events.codec import dumps
 from waystation.events.postgres import PostgresEventStore
 from waystation.protocol.wire import Names
+from waystation.runtime.compose import production_worker
 from waystation.runtime.worker import Worker
 from waystation.settings import Settings
 
@@ -202,8 +203,9 @@ async def count_rows(
 async def running_worker(
     app: App, settings: Settings, store: PostgresEventStore, **kwargs: Any
 ) -> AsyncIterator[Worker]:
-    """A worker running in this process for the duration of the block."""
-    worker = Worker(app, settings, store, **kwargs)
+    """A worker running in this process for the duration of the block (the production one,
+    ``waystation.runtime.compose``; ``kwargs`` go to it)."""
+    worker = production_worker(app, settings, store, **kwargs)
     await worker.start()
     try:
         yield worker

@@ -115,15 +115,12 @@ def _stop_on_signal() -> asyncio.Event:
 async def _serve(app: Any, settings: Settings) -> None:
     from waystation.events.postgres import PostgresEventStore
     from waystation.observability.metrics import HttpServer, Metrics, database_gauges
-    from waystation.runtime.worker import Worker
-    from waystation.slots.postgres import PostgresSlotLeases
+    from waystation.runtime.compose import production_worker
 
     metrics = Metrics()
     await migrations.upgrade(settings.database_url)
     store = PostgresEventStore.from_url(settings.database_url, pool_size=settings.db_pool_size)
-    # the pool's limits live beside the log, in its database
-    slots = PostgresSlotLeases(store.engine)
-    instance = Worker(app, settings, store, metrics=metrics, slots=slots)
+    instance = production_worker(app, settings, store, metrics=metrics)
     server = HttpServer(
         metrics,
         instance.health,

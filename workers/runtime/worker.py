@@ -28,12 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from waystation.agent import AgentSpec, App
-from waystation.brokers.amqp.broker import AmqpBroker
 from waystation.brokers.amqp.topology import amqp_user_of
 from waystation.brokers.port import Broker, BrokerError, BrokerUnavailable, Delivery
 from waystation.events import EventStore, OutboxMessage, StoreUnavailable, parse_subtask_id
 from waystation.events.codec import dumps
-from waystation.events.postgres import PostgresEventStore
 from waystation.observability import tracing
 from waystation.observability.logs import log_context
 from waystation.observability.metrics import Health, Metrics
@@ -53,7 +51,6 @@ from waystation.runtime.settle import Disposition, Settler, Verdict, attempt_of,
 from waystation.runtime.sweeper import DeadlineSweeper
 from waystation.settings import Settings
 from waystation.slots import SlotLeases
-from waystation.slots.postgres import PostgresSlotLeases
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
@@ -71,12 +68,14 @@ def _write_file(path: str, data: bytes) -> None:
 class Worker:
     """One worker instance: every agent of ``app``, one competing consumer per queue.
 
-    ``broker`` is the port to RabbitMQ; by default an aio-pika connection to
-    ``settings.amqp_url``. ``slots`` is where the pool keeps the slots of its agents'
-    ``concurrency`` and ``rate`` (``waystation.slots``), needed only when an agent declares one; by
-    default the table of the event log's database, when the log is in PostgreSQL. Every worker
-    of a pool must share it. ``tracer_provider`` is the application's OpenTelemetry provider for
-    the spans of its tasks; by default the global one the application set, if any
+    It is given the ports it works through and builds none of them
+    (``waystation.runtime.compose`` builds a production one): ``store``, the event log;
+    ``broker``, the broker; ``slots``, where the pool keeps the slots of its agents'
+    ``concurrency`` and ``rate`` (``waystation.slots``), needed only when an agent declares one,
+    and shared by every worker of the pool (without it no reply home is claimed);
+    ``observer``, what the pipeline reports its counters and timings to (by default one on
+    ``metrics``). ``tracer_provider`` is the application's OpenTelemetry provider for the spans
+    of its tasks; by default the global one the application set, if any
     (``waystation.observability.tracing.provider``).
     """
 
@@ -86,11 +85,12 @@ class Worker:
         settings: Settings,
         store: EventStore,
         *,
-        broker: Broker | None = None,
+        broker: Broker,
+        slots: SlotLeases | None = None,
+        observer: Observer | None = None,
+        metrics: Metrics | None = None,
         faults: FaultPlan | None = None,
         clock: Callable[[], float] = time.time,
-        metrics: Metrics | None = None,
-        slots: SlotLeases | None = None,
         tracer_provider: TracerProvider | None = None,
     ) -> None:
         self.app = app
@@ -98,15 +98,8 @@ class Worker:
         self.settings = settings
         self.store = store
         self.names = Names(settings.queue_prefix, settings.reply_shards)
-        self.broker = broker or AmqpBroker(
-            settings.amqp_url,
-            connection_name=f"waystation worker {settings.worker_id}",
-            delivery_limit=settings.delivery_limit,
-            policy=settings.broker_policy,
-            management_url=settings.management_url,
-            fast_frames=settings.fast_frames,
-        )
-        self.observer = Observer(metrics)
+        self.broker = broker
+        self.observer = observer or Observer(metrics)
         self.observer.in_flight(lambda: self._inflight)
         faults = faults or FaultPlan(settings.fault_point, settings.fault_after)
         self.outbox = OutboxPublisher(
@@ -118,7 +111,6 @@ class Worker:
             on_undeliverable=self._undeliverable,
             refused_for=settings.refused_retry_seconds,
         )
-        slots = self._shared_slots(slots)
         self.routes = ReplyRoutes(
             self.names,
             settings.worker_id,
@@ -182,21 +174,12 @@ class Worker:
         self._started = False
         self._stopping = False
 
-    def _shared_slots(self, slots: SlotLeases | None) -> SlotLeases | None:
-        """The pool's slot table: the one given, else the event log's database's (None for a
-        log elsewhere: then nothing is shared, and a worker's reply home is not claimed)."""
-        if slots is not None:
-            return slots
-        if isinstance(self.store, PostgresEventStore):
-            return PostgresSlotLeases(self.store.engine)
-        return None
-
     def _pool_limits(self, slots: SlotLeases | None) -> PoolLimits | None:
         """The worker's part in the pool's limits; None when no agent of the app declares one
         (then no slot is ever taken: nothing is paid for them)."""
         if not any(spec.limited for spec in self.app.agents.values()):
             return None
-        if slots is None:  # (the log is not in PostgreSQL: _shared_slots)
+        if slots is None:
             limited = sorted(n for n, spec in self.app.agents.items() if spec.limited)
             raise ValueError(
                 f"agents {limited} declare a concurrency or a rate: pass the pool's slots "
