@@ -30,7 +30,7 @@ from waystation.events import OutboxMessage
 from waystation.events.codec import dumps, loads
 from waystation.events.memory import InMemoryEventStore
 from waystation.protocol.wire import CONTENT_TYPE, TYPE_TASK, Names
-from waystation.runtime.settle import crash_limit
+from waystation.runtime.verdicts import crash_limit
 from waystation.runtime.worker import Worker
 from waystation.settings import Settings
 from waystation.slots.memory import MemorySlotLeases

@@ -19,7 +19,8 @@ from waystation.observability.observer import Observer
 from waystation.policies import MAX_SLOTS
 from waystation.protocol.wire import HEADER_ATTEMPTS, HEADER_USER, HEADER_WAITS, Names
 from waystation.runtime.limits import FIRST_WAIT, UNLIMITED, Admission, PoolLimits, Wait
-from waystation.runtime.settle import Settler, sent_again, wait, waits_of
+from waystation.runtime.settle import Settler
+from waystation.runtime.verdicts import sent_again, wait, waits_of
 from waystation.slots import Refusal
 from waystation.slots.memory import MemorySlotLeases
 

@@ -29,6 +29,11 @@ headers
 Every wait is ``asyncio.sleep`` on the running loop, for ``latency(step)`` seconds when a latency
 function is given (the simulation draws them from its seeded generator), so the interleavings
 depend only on that function. Nothing here reads a clock or draws a random number of its own.
+
+Why one module of some 590 lines: it is one model of RabbitMQ's semantics that the worker relies on,
+and the broker, its queues and its connections share that model's state (deliveries held by a
+connection return to their queue when it goes); the contract suite holds it against the real
+RabbitMQ as one.
 """
 
 from __future__ import annotations

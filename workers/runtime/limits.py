@@ -34,7 +34,7 @@ at once, and rounded up to a wait queue's step.
 
 **No task lost, none recorded twice.** A worker that dies between the broker's confirm of the
 copy and the ack of the original leaves two messages of one task. Like a retry's copy, a waiting
-copy is taken as possibly handled before (``waystation.runtime.settle.sent_again``): the task is
+copy is taken as possibly handled before (``waystation.runtime.verdicts.sent_again``): the task is
 looked up in the log before it runs, and its completion is recorded, so only one outcome stands and
 its publisher gets one answer (the handler may run twice in that window, as after any crash: G1).
 

@@ -15,6 +15,10 @@ unpublished outbox rows. A message that cannot be used is dead-lettered with its
 (``waystation.brokers.port``). A run of an agent with pool limits (``concurrency``, ``rate``) first
 takes its slots, and its task waits in the broker while they are full
 (``waystation.runtime.limits``).
+
+Why one module of some 430 lines: it is the worker's lifecycle and its delivery loop (start,
+consume, inspect, dispatch, settle, stop), which a reader follows in one place; every step it calls
+lives in its own module.
 """
 
 from __future__ import annotations
@@ -47,8 +51,9 @@ from waystation.runtime.outages import Outages
 from waystation.runtime.outbox import OutboxPublisher
 from waystation.runtime.recorder import Recorder, UnreadableStream
 from waystation.runtime.routing import ReplyRoutes
-from waystation.runtime.settle import Disposition, Settler, Verdict, attempt_of, dead, requeue
+from waystation.runtime.settle import Settler
 from waystation.runtime.sweeper import DeadlineSweeper
+from waystation.runtime.verdicts import Disposition, Verdict, attempt_of, dead, requeue
 from waystation.settings import Settings
 from waystation.slots import SlotLeases
 

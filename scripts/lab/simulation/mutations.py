@@ -57,7 +57,7 @@ from waystation.runtime.flows.base import Steps, error_of, resume_context
 from waystation.runtime.flows.reply import handle_reply
 from waystation.runtime.flows.resume import handle_resume
 from waystation.runtime.recorder import Cause
-from waystation.runtime.settle import Verdict, ack, dead, requeue
+from waystation.runtime.verdicts import Verdict, ack, dead, requeue
 
 __all__ = ["MUTATIONS", "mutated"]
 
@@ -366,7 +366,6 @@ MUTATIONS: dict[str, list[Patch]] = {
     "i-broker-counting": [
         (waystation.runtime.flows.base, "retry", _old_retry),
         (waystation.runtime.flows.base, "attempt_of", _old_attempt_of),
-        (waystation.runtime.settle, "attempt_of", _old_attempt_of),
     ],
     # k: an outage of the log re-ran the whole flow, its handler included
     "k-outage-reruns-handler": [

@@ -58,7 +58,7 @@ from waystation.protocol.wire import (
     TYPE_TASK,
     Names,
 )
-from waystation.runtime.settle import crash_limit
+from waystation.runtime.verdicts import crash_limit
 
 from .faults import Acked, Sent
 from .loop import EPOCH

@@ -25,6 +25,11 @@ that channel after its close takes the whole connection down (``CHANNEL_ERROR - 
 limit is not known, goes on a channel of its own, one at a time: its refusal costs it alone
 (:class:`Unsendable`, ``too-large``), and the limit learnt from it refuses the next larger
 message here, before anything is sent.
+
+Why one module of some 530 lines: it is the port's one implementation on aio-pika (consuming,
+publishing with confirms, acks written together, the connection restored), and those share the
+connection's and channels' state; the topology, the frames, the guarded transport and the private
+parts are apart.
 """
 
 from __future__ import annotations

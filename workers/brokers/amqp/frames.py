@@ -22,6 +22,10 @@ a context (its reader task inherits it), and marks its own publishes and acks; t
 handlers run outside it, so a connection a handler opens is pamqp's alone.
 (``WAYSTATION_FAST_FRAMES`` turns it off; the layout the codec assumes is checked against
 pamqp's own definitions, and with another layout nothing is installed.)
+
+Why one module of some 550 lines: the dispatcher's fast path calls into the codec's own readers and
+writers, and the codec is held against pamqp frame by frame (``tests/unit/test_amqp_frames.py``) as
+one unit; splitting them would only make those private names cross modules.
 """
 
 from __future__ import annotations

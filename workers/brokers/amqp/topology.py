@@ -24,7 +24,7 @@ from yarl import URL
 
 from waystation.events.codec import dumps
 from waystation.protocol.wire import Names
-from waystation.runtime.settle import crash_limit
+from waystation.runtime.verdicts import crash_limit
 
 __all__ = [
     "amqp_user_of",

@@ -1,7 +1,7 @@
 """The worker's steps, one per message kind (docs/internals.md): decide, append, publish, settle.
 
 Each flow takes a delivery and returns what should become of it
-(``waystation.runtime.settle.Verdict``); the worker settles it afterwards, so that no flow acks
+(``waystation.runtime.verdicts.Verdict``); the worker settles it afterwards, so that no flow acks
 before its effect is durable (G1).
 
 What each queue takes (``waystation.protocol.wire``):
@@ -32,7 +32,7 @@ from waystation.runtime.flows.query import handle_query
 from waystation.runtime.flows.reply import handle_reply
 from waystation.runtime.flows.resume import handle_resume
 from waystation.runtime.flows.task import handle_task
-from waystation.runtime.settle import Verdict, dead
+from waystation.runtime.verdicts import Verdict, dead
 
 __all__ = ["KINDS", "Steps", "dispatch", "kind_label"]
 

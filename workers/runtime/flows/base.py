@@ -36,8 +36,8 @@ from waystation.protocol.wire import Names, ResultEnvelope, result_message
 from waystation.runtime.faults import FaultPlan
 from waystation.runtime.limits import UNLIMITED, Admission, PoolLimits
 from waystation.runtime.recorder import Cause, Recorder
-from waystation.runtime.settle import (
-    Settler,
+from waystation.runtime.settle import Settler
+from waystation.runtime.verdicts import (
     Verdict,
     attempt_of,
     crash_limit,

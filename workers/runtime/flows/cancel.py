@@ -15,7 +15,7 @@ from waystation.events import TaskState, decide_cancel
 from waystation.protocol.wire import ResultEnvelope, derived_id, result_message
 from waystation.runtime.flows.base import Steps
 from waystation.runtime.recorder import Cause
-from waystation.runtime.settle import Verdict, ack, dead
+from waystation.runtime.verdicts import Verdict, ack, dead
 
 __all__ = ["MAX_TASK_ID", "handle_cancel"]
 

@@ -10,7 +10,7 @@ from waystation.events import decide_extension
 from waystation.runtime.flows.base import Steps
 from waystation.runtime.flows.reply import subtask_of
 from waystation.runtime.recorder import Cause
-from waystation.runtime.settle import Verdict, ack, dead
+from waystation.runtime.verdicts import Verdict, ack, dead
 
 __all__ = ["handle_progress"]
 

@@ -26,7 +26,7 @@ from waystation.protocol.wire import ResultEnvelope, derived_id, result_message
 from waystation.runtime.flows.base import Steps
 from waystation.runtime.flows.cancel import MAX_TASK_ID
 from waystation.runtime.flows.task import recorded_outcome
-from waystation.runtime.settle import Verdict, ack, dead
+from waystation.runtime.verdicts import Verdict, ack, dead
 
 __all__ = ["handle_query", "query_answer"]
 

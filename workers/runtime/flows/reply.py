@@ -44,7 +44,7 @@ from waystation.protocol.intake import Rejection
 from waystation.protocol.wire import ResultEnvelope
 from waystation.runtime.flows.base import Steps, error_of, resume_context
 from waystation.runtime.recorder import Applied, Cause, Extension
-from waystation.runtime.settle import Verdict, ack, dead
+from waystation.runtime.verdicts import Verdict, ack, dead
 
 __all__ = ["handle_reply", "handle_unstorable_reply", "subtask_of"]
 

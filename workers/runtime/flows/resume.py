@@ -18,7 +18,7 @@ from waystation.brokers.port import Delivery
 from waystation.events import DomainEvent, InvalidTransition, Pause, TaskState
 from waystation.runtime.flows.base import Steps, resume_context
 from waystation.runtime.recorder import Cause
-from waystation.runtime.settle import Verdict, ack, dead
+from waystation.runtime.verdicts import Verdict, ack, dead
 
 __all__ = ["handle_resume"]
 

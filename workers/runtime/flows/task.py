@@ -39,7 +39,7 @@ from waystation.protocol.wire import (
 )
 from waystation.runtime.flows.base import Steps, invalid_fields, typed_input
 from waystation.runtime.recorder import Cause
-from waystation.runtime.settle import Verdict, ack, dead, sent_again
+from waystation.runtime.verdicts import Verdict, ack, dead, sent_again
 
 __all__ = ["handle_task", "recorded_outcome"]
 
