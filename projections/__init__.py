@@ -10,8 +10,8 @@
   streams to audit.
 * :mod:`waystation.projections.history`: a stream's timeline, and a task's state as of a past
   position or time.
-* :mod:`waystation.projections.export`: export to JSONL with redaction, and reading an export back
-  for offline verification.
+* :mod:`waystation.projections.export`: export to JSONL with redaction.
+* :mod:`waystation.projections.exported`: reading an export back, and its offline verification.
 """
 
 __all__: list[str] = []

@@ -80,7 +80,7 @@ def verify(task_id: str | None, export_file: Path | None, as_json: bool) -> None
 
 
 def _verify_file(path: Path, task_id: str | None, as_json: bool) -> int:
-    from waystation.projections.export import ExportFormatError, read_export, verify_export
+    from waystation.projections.exported import ExportFormatError, read_export, verify_export
 
     try:
         with path.open("rb") as lines:
