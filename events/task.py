@@ -4,8 +4,13 @@
 and an input (a handler's outcome, a peer's reply) and return the events to append. Nothing here
 does I/O, reads a clock or draws a random number: time comes in as an argument, and every id is
 derived from ids already known, so the same inputs always give the same events. That is what makes
-a re-run after a crash write exactly what the first run wrote (Flovyn bug 1) and lets the property
-tests explore every interleaving.
+a re-run after a crash write exactly what the first run wrote, which the log then recognises as a
+duplicate, and lets the property tests explore every interleaving.
+
+Over 400 lines on purpose: ``fold`` and the ``decide_*`` functions are two halves of one set of
+rules (each decision reads the state ``fold`` builds, its claims, calls and status, and writes the
+events ``fold`` reads next), so they stay in one module, to be read and changed together; the
+outcome types and the ids are the vocabulary both use.
 
 A task's life::
 
@@ -225,7 +230,8 @@ def _encoded(value: Any) -> bytes:
 
 
 def _require_storable(value: Any, what: str) -> None:
-    """An outcome the log cannot hold fails at once, never at the commit (defect a)."""
+    """An outcome the log cannot hold fails the decision, so the task fails at once saying why,
+    rather than reaching the append, which cannot store it."""
     problem = unstorable(value)
     if problem is not None:
         raise InvalidTransition(f"{what} cannot be stored: {problem}")

@@ -1,12 +1,11 @@
-"""Export of the event log as JSONL, with secrets redacted, and its offline verification.
+"""Export of the event log as JSONL, with secrets redacted.
 
 One line per event, a JSON object holding every column the log keeps for it: ``stream_id``,
 ``stream_version``, ``event_id``, ``event_type``, ``schema_version``, ``data``, ``metadata``,
 ``prev_hash`` and ``hash`` (hex), ``global_position``, ``tx_id``, ``recorded_at`` (ISO-8601),
 plus ``redacted``, the paths whose values were replaced. Keys are sorted, so equal events give
-equal lines. :func:`from_record` reads a line back into the
-:class:`~waystation.events.model.RecordedEvent` it came from, so an export can be verified without
-the database (:func:`verify_export`).
+equal lines. Reading an export back and verifying it without the database is
+:mod:`waystation.projections.exported`.
 
 Redaction: the value of every object key named in ``redact_keys`` (``security_context`` by
 default), at any depth of ``data`` or ``metadata``, becomes ``{"redacted": "sha256:<hex>"}``, the
@@ -14,17 +13,6 @@ SHA-256 of the value's canonical JSON: whoever holds the secret can check it was
 equal secrets show as equal. A low-entropy secret can be guessed from its hash; export with care.
 Paths read ``data.state_delta.security_context``, ``data.calls[0].input.security_context``, and
 ``data["odd.key"]`` for keys that are not plain names.
-
-Verifying an export: lines are grouped by stream and each stream runs through
-:func:`waystation.projections.audit.verify_stream`. The content hash of a redacted event cannot be
-recomputed (it covers the secret), so only its links and invariants are checked, and the report
-counts such events: a value altered elsewhere in a redacted event cannot be found from the file
-alone. Every path a line lists as redacted must hold a redaction marker (``bad-redaction``
-otherwise), so an event whose content check is skipped always shows a marker.
-
-A stream whose first line is past version 1 (a position or time range starting mid-stream) is not
-a tampering: it gets a ``partial-stream`` note, and its chain is checked from the stored
-``prev_hash`` of its first exported event.
 
 Reading the whole log pages through ``EventStore.read_all`` in commit order and writes as it
 reads. Commit order is ``(tx_id, global_position)``, in which positions are not monotonic
@@ -38,34 +26,24 @@ from __future__ import annotations
 
 import hashlib
 import re
-import uuid
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from waystation.events.codec import canonical, loads
+from waystation.events.codec import canonical
 from waystation.events.model import RecordedEvent
 from waystation.events.store import EventStore, Position
-
-from .audit import Problem, verify_stream
 
 __all__ = [
     "DEFAULT_REDACT_KEYS",
     "STOP_MARGIN",
-    "ExportFormatError",
     "ExportSummary",
-    "ExportVerification",
-    "ExportedEvent",
-    "Note",
     "Selection",
     "export_log",
-    "from_record",
-    "read_export",
     "redact",
     "to_line",
     "to_record",
-    "verify_export",
 ]
 
 DEFAULT_REDACT_KEYS = frozenset({"security_context"})
@@ -200,104 +178,6 @@ def to_line(event: RecordedEvent, *, redact_keys: Collection[str] = DEFAULT_REDA
     return canonical(to_record(event, redact_keys=redact_keys)) + b"\n"
 
 
-class ExportFormatError(ValueError):
-    """A line of an export file is not an exported event."""
-
-    def __init__(self, message: str, line: int | None = None) -> None:
-        self.line = line
-        self.message = message
-        super().__init__(f"line {line}: {message}" if line is not None else message)
-
-
-@dataclass(frozen=True, slots=True)
-class ExportedEvent:
-    """An event read back from an export, with the paths its export redacted."""
-
-    event: RecordedEvent
-    redacted: tuple[str, ...] = ()
-
-
-def _field(record: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
-    if name not in record:
-        raise ExportFormatError(f"no {name!r}")
-    value = record[name]
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        raise ExportFormatError(f"{name!r} is {value!r}, not {_kind_name(kind)}")
-    return value
-
-
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    names = {int: "an integer", str: "a string", dict: "an object", list: "a list"}
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join(names.get(k, k.__name__) for k in kinds)
-
-
-def _hash(record: dict[str, Any], name: str) -> bytes:
-    text = _field(record, name, str)
-    try:
-        value = bytes.fromhex(text)
-    except ValueError as error:
-        raise ExportFormatError(f"{name!r} is not hex: {text!r}") from error
-    if len(value) != 32:
-        raise ExportFormatError(f"{name!r} is {len(value)} bytes, not 32")
-    return value
-
-
-def from_record(record: Any) -> ExportedEvent:
-    """The event an export line (parsed JSON) holds; :class:`ExportFormatError` if it holds none."""
-    if not isinstance(record, dict):
-        raise ExportFormatError(f"not a JSON object but {type(record).__name__}")
-    try:
-        event_id = uuid.UUID(_field(record, "event_id", str))
-    except ValueError as error:
-        raise ExportFormatError(f"'event_id' is not a UUID: {record['event_id']!r}") from error
-    moment = record.get("recorded_at")
-    if moment is not None and not isinstance(moment, str):
-        raise ExportFormatError(f"'recorded_at' is {moment!r}, not a string")
-    try:
-        recorded_at = datetime.fromisoformat(moment) if moment is not None else None
-    except ValueError as error:
-        raise ExportFormatError(f"'recorded_at' is not ISO-8601: {moment!r}") from error
-    redacted = record.get("redacted", [])
-    if not isinstance(redacted, list) or not all(isinstance(p, str) for p in redacted):
-        raise ExportFormatError(f"'redacted' is {redacted!r}, not a list of paths")
-    return ExportedEvent(
-        RecordedEvent(
-            stream_id=_field(record, "stream_id", str),
-            stream_version=_field(record, "stream_version", int),
-            event_id=event_id,
-            event_type=_field(record, "event_type", str),
-            data=_field(record, "data", dict),
-            metadata=_field(record, "metadata", dict),
-            schema_version=_field(record, "schema_version", int),
-            prev_hash=_hash(record, "prev_hash"),
-            hash=_hash(record, "hash"),
-            global_position=_field(record, "global_position", int),
-            tx_id=_field(record, "tx_id", int),
-            recorded_at=recorded_at,
-        ),
-        tuple(redacted),
-    )
-
-
-def read_export(lines: Iterable[bytes | str]) -> Iterator[ExportedEvent]:
-    """The events of an export file's lines, in file order; blank lines are skipped.
-
-    Raises :class:`ExportFormatError` naming the first line that is not an exported event.
-    """
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = loads(line)
-        except ValueError as error:
-            raise ExportFormatError(f"not JSON: {error}", number) from error
-        try:
-            yield from_record(record)
-        except ExportFormatError as error:
-            raise ExportFormatError(error.message, number) from error
-
-
 # ---- writing an export ---------------------------------------------------------------------------
 
 
@@ -369,91 +249,3 @@ async def export_log(
                 emit(event)
         after = Position.of(batch[-1])
     return ExportSummary(events, len(streams), redacted)
-
-
-# ---- verifying an export -------------------------------------------------------------------------
-
-
-Note = Problem
-"""Something an auditor should know about an export that is not a problem in itself; shaped
-like a :class:`~waystation.projections.audit.Problem`. Kind ``partial-stream``: the file holds the
-stream from ``stream_version`` on only."""
-
-
-@dataclass(frozen=True, slots=True)
-class ExportVerification:
-    """The outcome of verifying an export file."""
-
-    streams: int = 0
-    events: int = 0
-    redacted: int = 0
-    """Events whose content hash could not be checked because values were redacted."""
-    problems: list[Problem] = field(default_factory=list)
-    notes: list[Note] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "streams": self.streams,
-            "events": self.events,
-            "redacted": self.redacted,
-            "notes": [note.to_json() for note in self.notes],
-            "problems": [problem.to_json() for problem in self.problems],
-        }
-
-
-def _check_redactions(item: ExportedEvent) -> list[Problem]:
-    event = item.event
-    present = set(_markers(event.data, "data")) | set(_markers(event.metadata, "metadata"))
-    return [
-        Problem(
-            event.stream_id,
-            event.stream_version,
-            "bad-redaction",
-            f"{path} is listed as redacted but holds no redaction marker",
-        )
-        for path in item.redacted
-        if path not in present
-    ]
-
-
-def verify_export(exported: Iterable[ExportedEvent]) -> ExportVerification:
-    """Verify the streams of an export (grouped by stream, each in version order)."""
-    by_stream: dict[str, list[ExportedEvent]] = {}
-    for item in exported:
-        by_stream.setdefault(item.event.stream_id, []).append(item)
-    problems: list[Problem] = []
-    notes: list[Note] = []
-    redacted = 0
-    for stream_id, items in by_stream.items():
-        items.sort(key=lambda item: item.event.stream_version)
-        events = [item.event for item in items]
-        redacted_versions = {item.event.stream_version for item in items if item.redacted}
-        redacted += len(redacted_versions)
-        first = events[0].stream_version
-        partial = first > 1
-        if partial:
-            notes.append(
-                Note(
-                    stream_id,
-                    first,
-                    "partial-stream",
-                    f"the file starts this stream at version {first} (versions 1-{first - 1} "
-                    f"were not exported); its chain is checked from v{first}'s stored prev_hash "
-                    f"{events[0].prev_hash.hex()[:16]}…",
-                )
-            )
-        found = [problem for item in items for problem in _check_redactions(item)]
-        found += verify_stream(events, partial=partial, redacted_versions=redacted_versions)
-        problems += sorted(found, key=lambda problem: problem.stream_version)
-    return ExportVerification(
-        streams=len(by_stream),
-        events=sum(len(items) for items in by_stream.values()),
-        redacted=redacted,
-        problems=problems,
-        notes=notes,
-    )

@@ -35,7 +35,8 @@ def upgrade() -> None:
         )
         """
     )
-    # Readers follow (tx_id, global_position) below the snapshot horizon; see events/postgres.py.
+    # Readers follow (tx_id, global_position) below the snapshot horizon; see
+    # events/postgres/horizon.py.
     op.execute("CREATE INDEX events_commit_order ON events (tx_id, global_position)")
     op.execute(
         """

@@ -1,8 +1,9 @@
 """Asynchronous projections: their checkpoints, the paused-tasks and agent-statistics tables,
 and a notification on every append so runners wake without polling.
 
-A projection's rows and its checkpoint change in one transaction (see projections/postgres.py).
-The checkpoint is a position in the log's commit order, ``(tx_id, global_position)``.
+A projection's rows and its checkpoint change in one transaction (see
+projections/postgres/feed.py). The checkpoint is a position in the log's commit order,
+``(tx_id, global_position)``.
 ``agent_stats.pause_microseconds`` is an integer so that a rebuild, which sums the same pauses
 in other batches, reproduces it exactly (a float sum would depend on the order).
 

@@ -32,7 +32,7 @@ from waystation.events import (
     StoreUnavailable,
     VersionConflict,
 )
-from waystation.events.postgres import PostgresEventStore, _translate
+from waystation.events.postgres import PostgresEventStore, translate_error
 
 from ..support import eventually, serving_cluster
 
@@ -214,7 +214,7 @@ async def test_too_many_connections_is_store_unavailable(database_url: str) -> N
             # the driver's own exception, raised at connect time
             with pytest.raises(asyncpg.TooManyConnectionsError) as refused:
                 await asyncpg.connect(user=role, **_asyncpg_address(database_url))
-            assert isinstance(_translate(refused.value), StoreUnavailable)
+            assert isinstance(translate_error(refused.value), StoreUnavailable)
         finally:
             await held.close()
     finally:
@@ -310,7 +310,7 @@ async def test_a_serialization_failure_is_store_unavailable(database_url: str) -
             with pytest.raises(sqlalchemy.exc.DBAPIError) as failed:
                 await second.commit()
         assert sqlstate_of(failed.value) == "40001"
-        assert isinstance(_translate(failed.value), StoreUnavailable)
+        assert isinstance(translate_error(failed.value), StoreUnavailable)
     finally:
         async with admin.connect() as connection:
             await connection.execute(text(f"DROP TABLE {table}"))
@@ -324,7 +324,7 @@ async def test_a_refused_connection_is_store_unavailable(database_url: str) -> N
     assert isinstance(raised.__cause__, OSError)
     with pytest.raises(OSError) as refused:
         await asyncpg.connect(host="127.0.0.1", port=closed.port, user="postgres")
-    assert isinstance(_translate(refused.value), StoreUnavailable)
+    assert isinstance(translate_error(refused.value), StoreUnavailable)
 
 
 @pytest.mark.timeout(180)
@@ -356,7 +356,7 @@ async def test_a_server_that_cannot_accept_connections_now_is_store_unavailable(
                 return False
 
             await eventually(refused, within=60, what="the cluster to refuse new sessions")
-            assert isinstance(_translate(refusal[0]), StoreUnavailable)
+            assert isinstance(translate_error(refusal[0]), StoreUnavailable)
             raised = await unavailable_on_read(url)
             assert sqlstate_of(raised.__cause__) == "57P03"
         finally:
@@ -400,7 +400,7 @@ async def test_breaches_of_the_log_s_rules_stay_integrity_errors(
     finally:
         await engine.dispose()
     assert sqlstate_of(refused.value) == "23001"
-    assert isinstance(_translate(refused.value), IntegrityError)
+    assert isinstance(translate_error(refused.value), IntegrityError)
 
 
 # ---- helpers -------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""``waystation.projections.audit``: verify_stream finds each kind of problem; timeline reads a
-stream.
+"""``waystation.projections.audit``: verify_stream finds each kind of problem;
+``waystation.projections.history``: timeline reads a stream.
 
 Streams are built with the real hash chain (``waystation.events.chain.recorded_events``), so an
 invariant broken on purpose shows as exactly that problem and nothing else; structural damage (a
@@ -30,7 +30,8 @@ from waystation.events import (
 from waystation.events.chain import recorded_events
 from waystation.events.codec import GENESIS_HASH
 from waystation.events.memory import InMemoryEventStore
-from waystation.projections.audit import Problem, pauses, read_streams, timeline, verify_stream
+from waystation.projections.audit import Problem, read_streams, verify_stream
+from waystation.projections.history import pauses, timeline
 
 TASK = "t"
 START = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)

@@ -1,8 +1,9 @@
-"""``waystation.projections.export``: lines, redaction, reading back, offline verification, paging
-the log.
+"""``waystation.projections.export`` and ``waystation.projections.exported``: lines, redaction,
+reading back, offline verification, paging the log.
 
-Also the parts of ``waystation.projections.audit`` that export and point-in-time reading rest on:
-verifying part of a stream, redacted events, unreadable schema versions, and ``state_as_of``.
+Also the parts of ``waystation.projections.audit`` and ``waystation.projections.history`` that
+export and point-in-time reading rest on: verifying part of a stream, redacted events, unreadable
+schema versions, and ``state_as_of``.
 Streams come from ``tests.unit.test_audit.build`` (the real hash chain) or from the real
 in-memory store.
 """
@@ -32,19 +33,16 @@ from waystation.events import (
 from waystation.events.codec import GENESIS_HASH
 from waystation.events.memory import InMemoryEventStore
 from waystation.events.store import Position
-from waystation.projections.audit import state_as_of, timeline, verify_stream
-from waystation.projections.export import (
+from waystation.projections.audit import verify_stream
+from waystation.projections.export import Selection, export_log, redact, to_line, to_record
+from waystation.projections.exported import (
     ExportedEvent,
     ExportFormatError,
-    Selection,
-    export_log,
     from_record,
     read_export,
-    redact,
-    to_line,
-    to_record,
     verify_export,
 )
+from waystation.projections.history import state_as_of, timeline
 
 from .test_audit import START, TASK, build, fanout, kinds
 

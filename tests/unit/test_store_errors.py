@@ -13,7 +13,7 @@ import asyncpg
 import pytest
 
 from waystation.events import IntegrityError, StoreUnavailable
-from waystation.events.postgres import _translate
+from waystation.events.postgres import translate_error
 
 TRANSIENT = {
     "08000": "connection exception",
@@ -53,12 +53,13 @@ def server_error(sqlstate: str) -> asyncpg.PostgresError:
 
 @pytest.mark.parametrize("sqlstate", sorted(TRANSIENT))
 def test_a_transient_sqlstate_is_store_unavailable(sqlstate: str) -> None:
-    assert isinstance(_translate(server_error(sqlstate)), StoreUnavailable), TRANSIENT[sqlstate]
+    translated = translate_error(server_error(sqlstate))
+    assert isinstance(translated, StoreUnavailable), TRANSIENT[sqlstate]
 
 
 @pytest.mark.parametrize("sqlstate", sorted(PERMANENT))
 def test_any_other_sqlstate_is_an_integrity_error(sqlstate: str) -> None:
-    assert isinstance(_translate(server_error(sqlstate)), IntegrityError), PERMANENT[sqlstate]
+    assert isinstance(translate_error(server_error(sqlstate)), IntegrityError), PERMANENT[sqlstate]
 
 
 @pytest.mark.parametrize(
@@ -74,7 +75,7 @@ def test_the_drivers_own_errors_of_a_broken_connection_are_store_unavailable(
     error: Exception,
 ) -> None:
     # the hot path uses the asyncpg connection directly: these reach the store unwrapped
-    assert isinstance(_translate(error), StoreUnavailable)
+    assert isinstance(translate_error(error), StoreUnavailable)
 
 
 @pytest.mark.parametrize(
@@ -86,4 +87,4 @@ def test_the_drivers_own_errors_of_a_broken_connection_are_store_unavailable(
     ids=repr,
 )
 def test_what_the_driver_cannot_send_is_an_integrity_error(error: Exception) -> None:
-    assert isinstance(_translate(error), IntegrityError)
+    assert isinstance(translate_error(error), IntegrityError)

@@ -1,7 +1,9 @@
 """Commands that audit the log: verify it, show a task's history or past state, export it.
 
-The checks, the timeline and the export live in ``waystation.projections.audit`` and
-``waystation.projections.export``; here they are read from the database (or a file) and printed.
+The checks, the timeline and the export live in ``waystation.projections.audit``,
+``waystation.projections.history``, ``waystation.projections.export`` and
+``waystation.projections.exported``; here they are read from the database (or a file) and
+printed.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def verify(task_id: str | None, export_file: Path | None, as_json: bool) -> None
 
 
 def _verify_file(path: Path, task_id: str | None, as_json: bool) -> int:
-    from waystation.projections.export import ExportFormatError, read_export, verify_export
+    from waystation.projections.exported import ExportFormatError, read_export, verify_export
 
     try:
         with path.open("rb") as lines:
@@ -126,7 +128,7 @@ def history(task_id: str, as_json: bool) -> None:
 
     Exit codes: 0 shown, 2 TASK_ID is not in the log.
     """
-    from waystation.projections.audit import pauses, timeline
+    from waystation.projections.history import pauses, timeline
 
     events = _read_task(task_id)
     entries = timeline(events)
@@ -312,7 +314,7 @@ def state(task_id: str, at_position: int | None, at_time: datetime | None, as_js
     A time is compared with recorded_at, the start of the transaction that wrote each event.
     Exit codes: 0 shown, 2 TASK_ID is not in the log or has no event at or before that point.
     """
-    from waystation.projections.audit import state_as_of
+    from waystation.projections.history import state_as_of
 
     if at_position is not None and at_time is not None:
         raise click.UsageError("give --at-position or --at, not both")

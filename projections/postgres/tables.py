@@ -1,0 +1,158 @@
+"""The projections' tables, and how a batch of the log changes them: set-based, one load, one
+upsert and one delete per table, the rows folded by the pure functions of
+:mod:`waystation.projections.model`."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from waystation.events.codec import dumps, loads
+
+from ..model import FeedEvent, PausedTask, fold_agent_stats, fold_paused_tasks
+
+__all__ = ["PROJECTIONS", "AgentStatsProjection", "PausedTasksProjection", "Projection"]
+
+
+class Projection(abc.ABC):
+    """A read model kept by a runner: its tables, and how a batch of the log changes them.
+
+    ``tables`` maps each logical table to the name to write (the live table, or a shadow during
+    a rebuild); ``apply`` runs inside the runner's transaction.
+    """
+
+    name: str
+    tables: tuple[str, ...]
+    key: str
+    """The primary key column of its tables (for reporting differences)."""
+
+    @abc.abstractmethod
+    async def apply(
+        self, connection: AsyncConnection, events: Sequence[FeedEvent], tables: Mapping[str, str]
+    ) -> None: ...
+
+
+class PausedTasksProjection(Projection):
+    name = "paused_tasks"
+    tables = ("paused_tasks",)
+    key = "task_id"
+
+    async def apply(
+        self, connection: AsyncConnection, events: Sequence[FeedEvent], tables: Mapping[str, str]
+    ) -> None:
+        table = tables["paused_tasks"]
+        # a task whose first event in the batch is its first pause has no row to load
+        touched = {e.stream_id for e in events if e.event_type != "TaskStarted"}
+        rows: dict[str, PausedTask] = {}
+        if touched:
+            result = await connection.execute(
+                text(
+                    f"SELECT task_id, agent, pause, calls_expected, calls_recorded, "
+                    f"paused_since, status, deadlines::text FROM {table} "
+                    f"WHERE task_id = ANY(CAST(:ids AS text[]))"
+                ),
+                {"ids": list(touched)},
+            )
+            for row in result:
+                rows[row[0]] = PausedTask(
+                    task_id=row[0],
+                    agent=row[1],
+                    pause=row[2],
+                    calls_expected=row[3],
+                    calls_recorded=row[4],
+                    paused_since=row[5],
+                    status=row[6],
+                    deadlines=loads(row[7]),
+                )
+        changes = fold_paused_tasks(rows, events)
+        if changes.deletes:
+            await connection.execute(
+                text(f"DELETE FROM {table} WHERE task_id = ANY(CAST(:ids AS text[]))"),
+                {"ids": list(changes.deletes)},
+            )
+        if changes.upserts:
+            upserts = list(changes.upserts.values())
+            await connection.execute(
+                text(
+                    f"""
+                    INSERT INTO {table} (task_id, agent, pause, calls_expected, calls_recorded,
+                                         earliest_deadline, paused_since, status, deadlines)
+                    SELECT t, a, p, ce, cr, to_timestamp(ed), ps, st, CAST(dl AS jsonb)
+                    FROM unnest(CAST(:task_ids AS text[]), CAST(:agents AS text[]),
+                                CAST(:pauses AS integer[]), CAST(:expected AS integer[]),
+                                CAST(:recorded AS integer[]), CAST(:earliest AS float8[]),
+                                CAST(:since AS timestamptz[]), CAST(:status AS text[]),
+                                CAST(:deadlines AS text[]))
+                         AS u(t, a, p, ce, cr, ed, ps, st, dl)
+                    ON CONFLICT (task_id) DO UPDATE SET
+                        agent = excluded.agent, pause = excluded.pause,
+                        calls_expected = excluded.calls_expected,
+                        calls_recorded = excluded.calls_recorded,
+                        earliest_deadline = excluded.earliest_deadline,
+                        paused_since = excluded.paused_since, status = excluded.status,
+                        deadlines = excluded.deadlines
+                    """
+                ),
+                {
+                    "task_ids": [r.task_id for r in upserts],
+                    "agents": [r.agent for r in upserts],
+                    "pauses": [r.pause for r in upserts],
+                    "expected": [r.calls_expected for r in upserts],
+                    "recorded": [r.calls_recorded for r in upserts],
+                    "earliest": [r.earliest_deadline for r in upserts],
+                    "since": [r.paused_since for r in upserts],
+                    "status": [r.status for r in upserts],
+                    "deadlines": [dumps(dict(r.deadlines)).decode() for r in upserts],
+                },
+            )
+
+
+_COUNTERS = (
+    "completed",
+    "failed",
+    "cancelled",
+    "paused_now",
+    "timeouts",
+    "pauses_resumed",
+    "pause_microseconds",
+)
+
+
+class AgentStatsProjection(Projection):
+    name = "agent_stats"
+    tables = ("agent_stats",)
+    key = "agent"
+
+    async def apply(
+        self, connection: AsyncConnection, events: Sequence[FeedEvent], tables: Mapping[str, str]
+    ) -> None:
+        increments = fold_agent_stats(events)
+        if not increments:
+            return
+        table = tables["agent_stats"]
+        columns = ", ".join(_COUNTERS)
+        arrays = ", ".join(f"CAST(:{c} AS bigint[])" for c in _COUNTERS)
+        updates = ", ".join(f"{c} = s.{c} + excluded.{c}" for c in _COUNTERS)
+        agents = sorted(increments)  # a fixed order: two writers never deadlock on rows
+        params: dict[str, Any] = {"agents": agents}
+        for column in _COUNTERS:
+            params[column] = [getattr(increments[a], column) for a in agents]
+        await connection.execute(
+            text(
+                f"""
+                INSERT INTO {table} AS s (agent, {columns})
+                SELECT * FROM unnest(CAST(:agents AS text[]), {arrays})
+                ON CONFLICT (agent) DO UPDATE SET {updates}
+                """
+            ),
+            params,
+        )
+
+
+PROJECTIONS: dict[str, Projection] = {
+    p.name: p for p in (PausedTasksProjection(), AgentStatsProjection())
+}
