@@ -63,13 +63,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _bench import (
-    broker_counters,
     cpu_per_parent_ms,
     cpu_snapshot,
     database_counters,
     percentile,
     rabbitmq_pid,
-    run_guarded,
     server_versions,
     system_busy_seconds,
     wait_for_backends_gone,
@@ -81,6 +79,7 @@ from _bench.rebuild import rebuild_benchmark
 from _bench.report import fmt, memory_parents, print_report, summarise
 
 from scripts.lab.harness.broker import (
+    broker_counters,
     delete_topology,
     deployment_names,
     queue_depths,
@@ -88,6 +87,7 @@ from scripts.lab.harness.broker import (
     wait_for_consumers,
 )
 from scripts.lab.harness.database import with_database
+from scripts.lab.harness.guarded import run_guarded
 from scripts.lab.harness.processes import ROOT, WorkerProcess, log_problems, stop_all
 from waystation import migrations
 from waystation.client import Client

@@ -73,7 +73,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiohttp
 import aiormq.exceptions
-from _bench import paused_now, run_guarded
 from _bench.chaos import (
     OVERSIZED_KINDS,
     AnswerFigures,
@@ -110,7 +109,8 @@ from scripts.lab.harness.broker import (
     temporary_vhost,
 )
 from scripts.lab.harness.checks import LogFigures, log_figures
-from scripts.lab.harness.database import PG_TOOLS, PostgresCluster
+from scripts.lab.harness.database import PG_TOOLS, PostgresCluster, paused_now
+from scripts.lab.harness.guarded import run_guarded
 from scripts.lab.harness.processes import (
     ROOT,
     WorkerProcess,

@@ -41,7 +41,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _bench import broker_counters, paused_now, run_guarded
 from rich.console import Console, RenderableType
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -53,13 +52,15 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import NullPool
 
 from scripts.lab.harness.broker import (
+    broker_counters,
     delete_topology,
     deployment_names,
     topology_queues,
     wait_for_consumers,
 )
 from scripts.lab.harness.checks import unplanned_streams
-from scripts.lab.harness.database import with_database
+from scripts.lab.harness.database import paused_now, with_database
+from scripts.lab.harness.guarded import run_guarded
 from scripts.lab.harness.processes import (
     WorkerProcess,
     free_port,

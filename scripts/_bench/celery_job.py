@@ -46,10 +46,10 @@ from typing import Any
 
 import aio_pika
 
-from scripts.lab.harness.broker import queue_depths, wait_for_consumers
+from scripts.lab.harness.broker import broker_counters, queue_depths, wait_for_consumers
 from scripts.lab.harness.processes import ROOT, WorkerProcess, free_port, log_problems, stop_all
 
-from . import broker_counters, cpu_per_parent_ms, cpu_snapshot, process_tree, rabbitmq_pid
+from . import cpu_per_parent_ms, cpu_snapshot, process_tree, rabbitmq_pid
 from .drive import BenchFailure, measure
 
 __all__ = ["POOLS", "CelerySide", "RedisServer", "redis_server_binary"]
