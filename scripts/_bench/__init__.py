@@ -1,4 +1,9 @@
-"""What only the benchmark measures, for scripts/bench.py (not part of the library).
+"""What only the benchmark measures, for scripts/bench.py (not part of the library), and its
+phases: :mod:`.setup` (the run's state, fresh databases and prefixes, the machine, Celery's side,
+the cleanup), :mod:`.session` (one worker session and its figures), :mod:`.drive` (the drivers
+that keep parents in flight), :mod:`.modes` (throughput, single, curve, memory),
+:mod:`.append`, :mod:`.statestore` and :mod:`.rebuild` (the modes without workers), and
+:mod:`.report` (the summary and the table).
 
 CPU time and resident memory from /proc, the database's activity counters (the cost per
 parent), the servers' versions and percentiles. Worker processes, queues, databases, checks,
