@@ -7,10 +7,10 @@ connection and restarting PostgreSQL hit nothing else on this machine. In them: 
 worker processes of the chaos app (``tests.apps.chaos``: the example app's agents) and one
 ``waystation projections run``. ``--tasks`` orchestrator tasks, each 2 rounds of 3 researcher
 calls (``work_ms`` of simulated work per call), are kept ``--in-flight`` at a time; their results
-come back through a durable reply queue (:class:`_bench.chaos.ChaosCollector`), which outlives a
+come back through a durable reply queue (:class:`_chaos.collector.ChaosCollector`), which outlives a
 closed connection.
 
-Meanwhile the faults land, spread over the run by results (:func:`_bench.chaos.plan_faults`):
+Meanwhile the faults land, spread over the run by results (:func:`_chaos.plan.plan_faults`):
 ``--kills`` SIGKILLs of a random worker (a replacement starts at once), ``--connection-closes``
 ``rabbitmqctl close_all_connections`` in the vhost (every worker and the collector cut off) and
 ``--pg-restarts`` fast stops of the cluster, down ``--pg-down`` seconds, started again. Each
@@ -19,7 +19,7 @@ starting) and is logged with the results in, the tasks in flight and the victim'
 its handlers. The last ``--in-flight`` tasks are submitted only once every fault has landed, so
 no fault can find the run over.
 
-And the broker says no (:func:`_bench.chaos.plan_tasks`, docs/failures.md): a share of the
+And the broker says no (:func:`_chaos.plan.plan_tasks`, docs/failures.md): a share of the
 tasks (``--full-queue-share``) is submitted with a ``reply_to`` queue of ``x-max-length``
 ``--full-length`` that rejects publishes, kept full: each such queue takes the tasks of
 ``--full-hold`` seconds and is then drained (a consumer started late), so their results are
@@ -32,7 +32,7 @@ answer. A share (``--oversized-share``) has a result larger than the workers'
 (``--broker-max-message-size``, set for the run and set back after: dead-lettered as
 ``too-large``, an ``undeliverable-result`` error to the publisher). A hostile publisher sends
 ``--hostile-rate`` messages a second to the agents' queues while tasks are submitted, with
-content headers no client library writes (:data:`_bench.chaos.HOSTILE_KINDS`), each body
+content headers no client library writes (:data:`_chaos.hostile.HOSTILE_KINDS`), each body
 tagged: each must be dead-lettered with its reason, or refused by RabbitMQ itself.
 
 Then, once nothing is left in any queue or in the outbox, the figures: tasks missing, wrong
@@ -73,25 +73,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiohttp
 import aiormq.exceptions
-from _bench.chaos import (
-    OVERSIZED_KINDS,
-    AnswerFigures,
-    ChaosCollector,
-    Health,
+from _chaos.answers import AnswerFigures, answer_figures
+from _chaos.collector import ChaosCollector, Health, counter_values, probe_health
+from _chaos.hostile import (
     HostileFigures,
     HostileSent,
-    PlannedFault,
-    TaskMix,
-    answer_figures,
-    counter_values,
-    expected_answer,
     hostile_figures,
     hostile_message,
     hostile_plan,
     hostile_tag,
+)
+from _chaos.plan import (
+    OVER_BROKER_ROOM,
+    OVERSIZED_KINDS,
+    PlannedFault,
+    expected_answer,
+    fault_span,
+    padding,
     plan_faults,
     plan_tasks,
-    probe_health,
+    task_mix,
 )
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -326,38 +327,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-OVER_BROKER_PAD = 4 * 1024
-"""A result over the broker's limit is this much larger than it..."""
-OVER_BROKER_ROOM = OVER_BROKER_PAD + 8 * 1024
-"""...and fits the workers' limit with this much room (the envelope's 1 KiB included)."""
-
-
-def task_mix(args: argparse.Namespace) -> TaskMix:
-    return TaskMix(
-        full_share=args.full_queue_share,
-        never_drained=args.never_drained,
-        oversized_share=args.oversized_share,
-        over_broker=bool(args.broker_max_message_size),
-    )
-
-
-def padding(kind: str, args: argparse.Namespace) -> int:
-    """How much an oversized task of ``kind`` pads its result."""
-    if kind == "over-worker":
-        return int(args.max_message_bytes)
-    if kind == "over-broker":
-        return int(args.broker_max_message_size) + OVER_BROKER_PAD
-    return 0
-
-
-def fault_span(tasks: int, in_flight: int) -> int:
-    """The faults land within the first this many results. The last ``in_flight`` tasks are
-    held back until every fault has landed, so at most ``tasks - in_flight`` results can come
-    before; ending the span a tenth of those and a full window earlier leaves the tasks still to
-    submit that keep work in flight while a fault waits for the workers to be healthy."""
-    return max(1, int(0.9 * (tasks - in_flight)) - in_flight)
-
-
 @dataclass
 class FullQueue:
     """A reply queue of the run that rejects publishes, kept full until drained."""
@@ -393,7 +362,7 @@ class Chaos:
         self.retired: list[WorkerProcess] = []
         self.runner: WorkerProcess | None = None
         self.kinds: dict[str, str] = {}
-        """Each task's kind (``_bench.chaos.TASK_KINDS``)."""
+        """Each task's kind (``_chaos.plan.TASK_KINDS``)."""
         self.windowed = 0
         """Tasks kept in the window of ``--in-flight`` (those answered through a full queue
         are not: a full queue holds their results back on purpose)."""
@@ -775,7 +744,7 @@ class Chaos:
 
     async def publish_hostile(self) -> None:
         """``--hostile-rate`` hostile messages a second to the agents' task queues, while tasks
-        are submitted (:func:`_bench.chaos.hostile_message`); each kind in turn."""
+        are submitted (:func:`_chaos.hostile.hostile_message`); each kind in turn."""
         rate = self.args.hostile_rate
         if rate <= 0:
             return
