@@ -35,7 +35,7 @@ from scripts.lab.harness.broker import (
     temporary_vhost,
 )
 from scripts.lab.harness.database import PostgresCluster, paused_now
-from scripts.lab.harness.processes import WorkerProcess, free_port, metrics_env, stop_all
+from scripts.lab.harness.processes import WorkerProcess, run_environment, stop_all
 from waystation import migrations
 from waystation.projections.postgres import projection_status
 from waystation.settings import Settings
@@ -119,22 +119,20 @@ class Chaos:
     # ---- processes -------------------------------------------------------------------------
 
     def _environment(self, name: str) -> dict[str, str]:
-        port = free_port(exclude=self.ports.values())
-        self.ports[name] = port
-        return {
-            "WAYSTATION_DATABASE_URL": self.database_url,
-            "WAYSTATION_AMQP_URL": self.amqp_url,
-            "WAYSTATION_QUEUE_PREFIX": PREFIX,
+        return run_environment(
+            name,
+            self.ports,
+            database_url=self.database_url,
+            amqp_url=self.amqp_url,
+            queue_prefix=PREFIX,
             # the harness applied the policy once (apply_queue_policy), as an operator would
-            "WAYSTATION_BROKER_POLICY": "none",
-            "WAYSTATION_DELIVERY_LIMIT": str(self.args.delivery_limit),
-            "WAYSTATION_MAX_MESSAGE_BYTES": str(self.args.max_message_bytes),
-            "WAYSTATION_REFUSED_RETRY_SECONDS": str(self.args.refused_retry),
-            "WAYSTATION_WORKER_ID": f"chaos-{name}",
-            **metrics_env(port),
-            "WAYSTATION_LOG_FORMAT": "text",
-            "WAYSTATION_STATS_FILE": str(self.logs / f"{name}.stats.json"),
-        }
+            WAYSTATION_BROKER_POLICY="none",
+            WAYSTATION_DELIVERY_LIMIT=str(self.args.delivery_limit),
+            WAYSTATION_MAX_MESSAGE_BYTES=str(self.args.max_message_bytes),
+            WAYSTATION_REFUSED_RETRY_SECONDS=str(self.args.refused_retry),
+            WAYSTATION_WORKER_ID=f"chaos-{name}",
+            WAYSTATION_STATS_FILE=str(self.logs / f"{name}.stats.json"),
+        )
 
     def start_worker(self, slot: int) -> WorkerProcess:
         if slot == len(self.generation):

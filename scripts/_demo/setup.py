@@ -32,13 +32,7 @@ from scripts.lab.harness.broker import (
     wait_for_consumers,
 )
 from scripts.lab.harness.database import paused_now, with_database
-from scripts.lab.harness.processes import (
-    WorkerProcess,
-    free_port,
-    metrics_env,
-    stop_all,
-    waystation_cli,
-)
+from scripts.lab.harness.processes import WorkerProcess, run_environment, stop_all, waystation_cli
 from waystation import migrations
 from waystation.brokers.amqp import topology
 from waystation.projections.postgres import projection_status
@@ -109,17 +103,15 @@ class Demo:
     # ---- processes -------------------------------------------------------------------------------
 
     def _environment(self, name: str) -> dict[str, str]:
-        port = free_port(exclude=self.ports.values())
-        self.ports[name] = port
-        return {
-            "WAYSTATION_DATABASE_URL": self.database_url,
-            "WAYSTATION_AMQP_URL": self.amqp_url,
-            "WAYSTATION_QUEUE_PREFIX": PREFIX,
-            "WAYSTATION_BROKER_POLICY": self.policy,
-            "WAYSTATION_WORKER_ID": f"demo-{name}",
-            **metrics_env(port),
-            "WAYSTATION_LOG_FORMAT": "text",  # readable when the logs are kept
-        }
+        return run_environment(
+            name,
+            self.ports,
+            database_url=self.database_url,
+            amqp_url=self.amqp_url,
+            queue_prefix=PREFIX,
+            WAYSTATION_BROKER_POLICY=self.policy,
+            WAYSTATION_WORKER_ID=f"demo-{name}",
+        )
 
     def start_worker(self) -> WorkerProcess:
         name = f"worker{len(self.workers) + 1}"
