@@ -10,8 +10,8 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from scripts.lab.harness.checks import canonical_or_raw, results_by_task
 from waystation.brokers.amqp.deadletters import DeadLetter
-from waystation.events import canonical
 from waystation.events.codec import loads
 
 from .plan import Expected
@@ -134,17 +134,7 @@ def answer_figures(
     same body for an ``ok``; the same error type for an error) and that answer; none of its
     messages may be dead-lettered unless its kind explains it. A ``full-never`` task must have
     no result and a dead letter ``refused`` holding its ``ok`` result."""
-    bodies: dict[str, list[bytes]] = {}
-    redelivered_duplicates = unexpected = total = 0
-    for task_id, body, redelivered in messages:
-        total += 1
-        if task_id is None or task_id not in expected:
-            unexpected += 1
-            continue
-        seen = bodies.setdefault(task_id, [])
-        if seen and redelivered:
-            redelivered_duplicates += 1
-        seen.append(body)
+    bodies, redelivered_duplicates, unexpected, total = results_by_task(expected, messages)
     kept: dict[str, list[DeadLetter]] = {}
     unexplained: list[str] = []
     count = 0
@@ -183,7 +173,7 @@ def answer_figures(
             missing.append(task_id)
             continue
         if want.error_type is None:
-            same = len({_canonical_or_raw(body) for body in received}) == 1
+            same = len({canonical_or_raw(body) for body in received}) == 1
         else:
             same = True  # (compared by type below)
         if not same or not all(_matches(want, decoded(body)) for body in received):
@@ -208,10 +198,3 @@ def answer_figures(
         unexplained_letters=unexplained,
         by_kind={kind: dict(tally) for kind, tally in by_kind.items()},
     )
-
-
-def _canonical_or_raw(body: bytes) -> bytes:
-    try:
-        return canonical(loads(body))
-    except Exception:
-        return body

@@ -165,17 +165,6 @@ class ChaosCollector(DurableResultCollector):
         self.answers.append((message.correlation_id, bytes(message.body)))
         await self._ack(message)
 
-    @staticmethod
-    async def _ack(message: AbstractIncomingMessage) -> None:
-        try:
-            await message.ack()
-        except (
-            aio_pika.exceptions.AMQPError,
-            aio_pika.exceptions.ChannelInvalidStateError,
-            ConnectionError,
-        ):
-            pass  # the channel died first: the broker delivers it again
-
 
 # ---- a worker's health ---------------------------------------------------------------------
 
