@@ -45,7 +45,8 @@ The phases live in ``scripts/_bench/``: the setup (:mod:`_bench.setup`: the run'
 databases and prefixes, the machine, Celery's side, the cleanup), one worker session
 (:mod:`_bench.session`), the worker modes (:mod:`_bench.modes`), the other modes
 (:mod:`_bench.append`, :mod:`_bench.statestore`, :mod:`_bench.rebuild`) and the report
-(:mod:`_bench.report`); this file parses the options and runs the phases in order.
+(:mod:`_bench.report`, :mod:`_bench.figures`); this file parses the options and runs the phases
+in order.
 """
 
 from __future__ import annotations
@@ -62,9 +63,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _bench.append import append_benchmark
 from _bench.drive import BenchFailure
+from _bench.figures import memory_parents
 from _bench.modes import chart, curve, memory, run
 from _bench.rebuild import rebuild_benchmark
-from _bench.report import memory_parents, print_report, summarise
+from _bench.report import print_report, summarise
 from _bench.setup import Bench, shown
 
 from scripts.lab.harness.guarded import run_guarded

@@ -3,15 +3,15 @@ phases: :mod:`.setup` (the run's state, fresh databases and prefixes, the machin
 the cleanup), :mod:`.session` (one worker session and its figures), :mod:`.drive` (the drivers
 that keep parents in flight), :mod:`.modes` (throughput, single, curve, memory),
 :mod:`.append`, :mod:`.statestore` and :mod:`.rebuild` (the modes without workers), and
-:mod:`.report` (the summary and the table).
+:mod:`.report` (the summary and the table, whose rows :mod:`.figures` defines); the Celery side
+(:mod:`.celery_job`, :mod:`.celery_app`, :mod:`.redis_server`), the chart (:mod:`.chart`).
 
 CPU time and resident memory from /proc, the database's activity counters (the cost per
 parent), the servers' versions and percentiles. Worker processes, queues, databases, checks,
 RabbitMQ's global counters, what is paused right now and :func:`run_guarded` (a run whose
 cleanup happens whatever stops it) are the harness the scripts share with each other and with
-the tests: :mod:`scripts.lab.harness`. Standard
-library and the project's own dependencies only (the Celery side of the bench, which needs the
-``bench`` extra, is in :mod:`_bench.celery_job`).
+the tests: :mod:`scripts.lab.harness`. Standard library and the project's own dependencies only
+(the Celery side of the bench, which needs the ``bench`` extra, is in :mod:`_bench.celery_job`).
 """
 
 from __future__ import annotations

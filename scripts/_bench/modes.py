@@ -14,8 +14,8 @@ from typing import Any
 from scripts.lab.harness.processes import ROOT
 
 from .drive import Progress
+from .figures import fmt, memory_parents
 from .memory import RssSampler, rss_summary
-from .report import fmt, memory_parents
 from .session import Session, measure_session
 from .setup import Bench, shown
 
