@@ -40,63 +40,38 @@ median throughputs. ``worker_cpu_ratio_vs_celery`` and ``machine_cpu_ratio_vs_ce
 medians of each run's own ratio of CPU per parent (both systems on the same machine within a
 run, whose speed moves from hour to hour): the steadiest figure to compare code by. Its target,
 0.56, is issue 13's: 55% of the 1.02 it measured.
+
+The phases live in ``scripts/_bench/``: the setup (:mod:`_bench.setup`: the run's state, fresh
+databases and prefixes, the machine, Celery's side, the cleanup), one worker session
+(:mod:`_bench.session`), the worker modes (:mod:`_bench.modes`), the other modes
+(:mod:`_bench.append`, :mod:`_bench.statestore`, :mod:`_bench.rebuild`) and the report
+(:mod:`_bench.report`, :mod:`_bench.figures`); this file parses the options and runs the phases
+in order.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
-import os
-import platform
 import sys
-import tempfile
 import time
 import traceback
-import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _bench import (
-    broker_counters,
-    cpu_per_parent_ms,
-    cpu_snapshot,
-    database_counters,
-    percentile,
-    rabbitmq_pid,
-    run_guarded,
-    server_versions,
-    system_busy_seconds,
-    wait_for_backends_gone,
-)
 from _bench.append import append_benchmark
-from _bench.drive import BenchFailure, One, Progress, measure
-from _bench.memory import RssSampler, rss_summary
+from _bench.drive import BenchFailure
+from _bench.figures import memory_parents
+from _bench.modes import chart, curve, memory, run
 from _bench.rebuild import rebuild_benchmark
-from _bench.report import fmt, memory_parents, print_report, summarise
+from _bench.report import print_report, summarise
+from _bench.setup import Bench, shown
 
-from scripts.lab.harness.broker import (
-    delete_topology,
-    deployment_names,
-    queue_depths,
-    topology_queues,
-    wait_for_consumers,
-)
-from scripts.lab.harness.database import with_database
-from scripts.lab.harness.processes import ROOT, WorkerProcess, log_problems, stop_all
-from waystation import migrations
-from waystation.client import Client
-from waystation.example import app as example_app
-from waystation.example import expected_total
-from waystation.settings import Settings
+from scripts.lab.harness.guarded import run_guarded
+from scripts.lab.harness.processes import ROOT
 
-AGENTS = tuple(example_app.agents)
-SINGLE_WARMUP = 20
 MODES = ("throughput", "single", "curve", "memory", "append", "rebuild", "statestore")
 DEFAULT_MODES = ("throughput", "single")
 """What plain ``scripts/bench`` runs (three to four minutes with Celery); the rest on request."""
@@ -287,591 +262,67 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# ---- one worker session ------------------------------------------------------------------------
-
-
-@dataclass
-class Session:
-    """Fresh workers for one phase, and what was measured while they ran."""
-
-    label: str
-    workers: list[WorkerProcess] = field(default_factory=list)
-    stats_files: list[Path] = field(default_factory=list)
-    parents: int = 0
-    """Every parent the workers saw (warm-up included)."""
-
-
-Observer = Callable[[Session, Progress], contextlib.AbstractAsyncContextManager[Any]]
-"""Entered just before a session's measured phase and left right after it (the memory sampler)."""
-
-
-class Bench:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        base = Settings()
-        self.amqp_url = base.amqp_url
-        self.admin_url = base.database_url
-        self.logs = ROOT / Path(args.json).parent / "logs"
-        self.scratch = Path(tempfile.mkdtemp(prefix="waystation-bench-"))
-        self.next_n = 0
-        self.all_workers: list[WorkerProcess] = []
-        self.cleanups: list[tuple[str, str]] = []
-        """(database URL, queue prefix) of each run, for the cleanup."""
-        self.stopping = False
-        self.celery: Any = None
-        """The :class:`_bench.celery_job.CelerySide` with ``--compare celery``."""
-
-    def interrupt(self) -> None:
-        """On SIGINT/SIGTERM: submit nothing more, and SIGTERM the workers now."""
-        self.stopping = True
-        for worker in self.all_workers:
-            worker.terminate()
-        if self.celery is not None:
-            self.celery.interrupt()
-
-    # -- the parts of a session --
-
-    def _start_workers(self, session: Session, database_url: str, prefix: str) -> None:
-        for index in range(self.args.workers):
-            stats = self.scratch / f"{session.label}-worker{index}.json"
-            stats.unlink(missing_ok=True)
-            env = {
-                "WAYSTATION_DATABASE_URL": database_url,
-                "WAYSTATION_AMQP_URL": self.amqp_url,
-                "WAYSTATION_QUEUE_PREFIX": prefix,
-                "WAYSTATION_BROKER_POLICY": "none",
-                "WAYSTATION_STATS_FILE": str(stats),
-                "WAYSTATION_WORKER_ID": f"bench-{session.label}-{index}",
-                # several workers on one host: no metrics endpoint (its port would clash)
-                "WAYSTATION_METRICS_PORT": "0",
-            }
-            if self.args.concurrency:
-                env["WAYSTATION_CONCURRENCY"] = str(self.args.concurrency)
-            worker = WorkerProcess(env, self.logs / f"{session.label}-worker{index}.log").start()
-            session.workers.append(worker)
-            session.stats_files.append(stats)
-            self.all_workers.append(worker)
-
-    def _one(self, client: Client) -> One:
-        """One parent: submit an orchestrator task, wait for its result, check it."""
-        k = self.args.k
-
-        async def one() -> None:
-            n = self.next_n
-            self.next_n += 1
-            task_id = await client.submit(
-                "orchestrator", {"n": n, "k": k, "work_ms": self.args.work_ms}
-            )
-            try:
-                result = await client.result(task_id, self.args.timeout)
-            except TimeoutError:
-                raise BenchFailure(
-                    f"no result for parent n={n} within {self.args.timeout}s (see {self.logs})"
-                ) from None
-            if not result.ok or result.result != {"n": n, "total": expected_total(n, k)}:
-                raise BenchFailure(f"wrong result for parent n={n}: {result}")
-
-        return one
-
-    async def session(
-        self,
-        label: str,
-        database_url: str,
-        prefix: str,
-        *,
-        warmup: int,
-        in_flight: int,
-        measured: int | None = None,
-        seconds: float | None = None,
-        observe: Observer | None = None,
-    ) -> dict[str, Any]:
-        """Fresh workers; warm-up; the measured phase; SIGTERM; what they and we measured.
-
-        The measured phase is ``measured`` parents after ``warmup`` ones; or, when ``measured``
-        is None, a window of ``seconds`` in a continuous stream after ``warmup`` completions.
-        """
-        session = Session(label)
-        database = database_url.rsplit("/", 1)[1]
-        names = deployment_names(prefix)
-        broker_before = broker_counters()
-        db_before = await database_counters(self.admin_url, database)
-        self._start_workers(session, database_url, prefix)
-        progress = Progress()
-        try:
-            await wait_for_consumers(
-                self.amqp_url,
-                topology_queues(names, AGENTS)[:-1],
-                len(session.workers),
-                alive=lambda: all(w.alive() for w in session.workers),
-            )
-            broker_pid = rabbitmq_pid()
-
-            def snapshot() -> dict[str, float | None]:
-                return cpu_snapshot(
-                    {
-                        "workers": [w.pid for w in session.workers],
-                        "broker": [broker_pid] if broker_pid else None,
-                    }
-                )
-
-            async with Client(self.amqp_url, queue_prefix=prefix) as client:
-                result = await measure(
-                    self._one(client),
-                    in_flight,
-                    warmup=warmup,
-                    measured=measured,
-                    seconds=seconds,
-                    snapshot=snapshot,
-                    stopping=lambda: self.stopping,
-                    progress=progress,
-                    observe=observe(session, progress) if observe else None,
-                )
-                session.parents = result.total
-                results_received = client.results_received + client.duplicates
-                result_duplicates = client.duplicates
-            dead = [w.name for w in session.workers if not w.alive()]
-            if dead:
-                raise BenchFailure(
-                    f"worker(s) {', '.join(dead)} died during the session (see {self.logs})"
-                )
-        finally:
-            exits = stop_all(session.workers)
-        await wait_for_backends_gone(self.admin_url, database)
-        db_after = await database_counters(self.admin_url, database)
-        broker_after = broker_counters()
-        leftover = {
-            q: n
-            for q, n in (await queue_depths(self.amqp_url, topology_queues(names, AGENTS))).items()
-            if n
-        }
-
-        # what the workers wrote on SIGTERM
-        counters: dict[str, int] = {}
-        per_worker: list[list[float]] = []
-        for path in session.stats_files:
-            if not path.exists():
-                raise BenchFailure(f"a worker wrote no stats file ({path.name}); exits: {exits}")
-            stats = json.loads(path.read_bytes())
-            for name, value in stats["counters"].items():
-                counters[name] = counters.get(name, 0) + int(value)
-            per_worker.append([float(s) for s in stats["checkpoint_seconds"]])
-        checkpoints = _drop_warmup(per_worker, result.warmup)
-
-        parents = session.parents
-        settled = sum(v for k, v in counters.items() if k.startswith("settled_"))
-        cpu_ms = cpu_per_parent_ms(result.before, result.after, result.measured)
-        broker_delta = (
-            {k: broker_after[k] - broker_before[k] for k in broker_before}
-            if broker_before and broker_after
-            else None
-        )
-        problems, first_problems = log_problems(w.log_path for w in session.workers)
-        return {
-            **result.figures(),
-            "in_flight": in_flight,
-            "checkpoints_counted": len(checkpoints),
-            "checkpoint_p50_ms": _ms(percentile(checkpoints, 50)),
-            "checkpoint_p99_ms": _ms(percentile(checkpoints, 99)),
-            "worker_cpu_ms_per_parent": cpu_ms["workers"],
-            "broker_cpu_ms_per_parent": cpu_ms["broker"],
-            "bench_client_cpu_ms_per_parent": cpu_ms["bench"],
-            "machine_cpu_ms_per_parent": cpu_ms["machine"],
-            "db_transactions_per_parent": (db_after["xact_commit"] - db_before["xact_commit"])
-            / parents,
-            "db_rollbacks": db_after["xact_rollback"] - db_before["xact_rollback"],
-            "db_sessions_opened": db_after["sessions"] - db_before["sessions"],
-            "messages_per_parent": (settled + results_received) / parents,
-            "broker_messages_per_parent": (
-                {
-                    "routed": broker_delta["routed"] / parents,
-                    "delivered": broker_delta["delivered"] / parents,
-                    "redelivered": broker_delta["redelivered"] / parents,
-                }
-                if broker_delta
-                else None
-            ),
-            "version_conflicts_per_parent": counters.get("version_conflicts", 0) / parents,
-            "result_duplicates": result_duplicates,
-            "worker_counters": counters,
-            "worker_exit_codes": exits,
-            "worker_log_problems": problems,
-            "worker_log_first_problems": first_problems,
-            "leftover_messages": leftover,
-        }
-
-    # -- fresh databases and prefixes --
-
-    async def fresh(self, what: str) -> tuple[str, str, float]:
-        """A migrated database and a queue prefix of their own (removed by :meth:`_cleanup_run`),
-        and how busy the machine was with other work before starting."""
-        tag = uuid.uuid4().hex[:10]
-        database_url = with_database(self.admin_url, f"waystation_bench_{tag}")
-        prefix = f"bench-{tag}."
-        self.cleanups.append((database_url, prefix))
-        await migrations.upgrade(database_url)
-        other_load = await _busy_cores(1.0)
-        print(
-            f"{what}: database waystation_bench_{tag}, prefix {prefix}; machine busy with "
-            f"other work: {other_load:.2f} cores",
-            flush=True,
-        )
-        if other_load > 0.25:
-            print(
-                f"{what}: WARNING: other processes use {other_load:.2f} of "
-                f"{os.cpu_count()} cores; these figures are not comparable",
-                flush=True,
-            )
-        return database_url, prefix, other_load
-
-    # -- the modes --
-
-    async def run(self, index: int) -> dict[str, Any]:
-        """One run of the throughput and single modes (and Celery's, with --compare)."""
-        a = self.args
-        database_url, prefix, other_load = await self.fresh(f"run {index}")
-        result: dict[str, Any] = {
-            "database": database_url.rsplit("/", 1)[1],
-            "prefix": prefix,
-            "other_load_cores": other_load,
-            "throughput": None,
-            "single": None,
-        }
-        if "throughput" in a.only:
-            throughput = result["throughput"] = await self.session(
-                f"run{index}-throughput",
-                database_url,
-                prefix,
-                warmup=a.warmup,
-                measured=a.parents,
-                in_flight=a.in_flight,
-            )
-            _said(f"run {index}: throughput", throughput)
-        if "single" in a.only and a.single:
-            single = result["single"] = await self.session(
-                f"run{index}-single",
-                database_url,
-                prefix,
-                warmup=min(SINGLE_WARMUP, a.warmup),
-                measured=a.single,
-                in_flight=1,
-            )
-            _said(f"run {index}: single parent", single)
-        await self._cleanup_run(database_url, prefix)
-        if self.celery is not None:
-            if "throughput" in a.only:
-                celery = result["celery_throughput"] = await self.celery.session(
-                    f"run{index}-celery-throughput",
-                    warmup=a.warmup,
-                    measured=a.parents,
-                    in_flight=a.in_flight,
-                )
-                _said(f"run {index}: celery throughput", celery)
-            if "single" in a.only and a.single:
-                celery = result["celery_single"] = await self.celery.session(
-                    f"run{index}-celery-single",
-                    warmup=min(SINGLE_WARMUP, a.warmup),
-                    measured=a.single,
-                    in_flight=1,
-                )
-                _said(f"run {index}: celery single parent", celery)
-        return result
-
-    async def curve(self) -> dict[str, Any]:
-        """Each point: fresh workers (and database), a continuous stream, a measuring window."""
-        a = self.args
-        points: dict[str, list[dict[str, Any]]] = {"waystation": []}
-        if self.celery is not None:
-            points["celery"] = []
-        loads = []
-        for in_flight in a.curve_points:
-            warmup = max(in_flight, 50)
-            database_url, prefix, other_load = await self.fresh(f"curve {in_flight} in flight")
-            loads.append(other_load)
-            measured = await self.session(
-                f"curve{in_flight}",
-                database_url,
-                prefix,
-                warmup=warmup,
-                seconds=a.curve_seconds,
-                in_flight=in_flight,
-            )
-            await self._cleanup_run(database_url, prefix)
-            points["waystation"].append(_curve_point(in_flight, measured))
-            _said(f"curve {in_flight} in flight", measured)
-            if self.celery is not None:
-                measured = await self.celery.session(
-                    f"curve{in_flight}-celery",
-                    warmup=warmup,
-                    seconds=a.curve_seconds,
-                    in_flight=in_flight,
-                )
-                points["celery"].append(_curve_point(in_flight, measured))
-                _said(f"curve {in_flight} in flight: celery", measured)
-        return {
-            "in_flight": a.curve_points,
-            "window_s": a.curve_seconds,
-            "warmup": "max(in flight, 50) completions before the window",
-            "other_load_cores": loads,
-            **points,
-        }
-
-    async def memory(self) -> dict[str, Any]:
-        """``--memory-tasks`` tasks through one session of the workers; their RSS over time."""
-        a = self.args
-        parents = memory_parents(a)
-        database_url, prefix, other_load = await self.fresh("memory")
-        print(
-            f"memory: {parents * (1 + a.k):,} tasks = {parents:,} parents of 1+K tasks, "
-            f"{a.in_flight} in flight; RSS sampled after {a.memory_warmup} parents, every "
-            f"{a.memory_sample_every:g}s and at the end",
-            flush=True,
-        )
-        samplers: list[RssSampler] = []
-
-        @contextlib.asynccontextmanager
-        async def observe(session: Session, progress: Progress) -> AsyncIterator[None]:
-            sampler = RssSampler(
-                {w.name: w.pid for w in session.workers}, progress, a.memory_sample_every
-            )
-            samplers.append(sampler)
-            async with sampler.running():
-                yield
-
-        measured = await self.session(
-            "memory",
-            database_url,
-            prefix,
-            warmup=a.memory_warmup,
-            measured=parents - a.memory_warmup,
-            in_flight=a.in_flight,
-            observe=observe,
-        )
-        await self._cleanup_run(database_url, prefix)
-        rss = rss_summary(samplers[0].samples)
-        print(
-            f"memory: RSS of the largest worker {rss['rss_start_mb']:.1f} MiB after the warm-up, "
-            f"{rss['rss_end_mb']:.1f} MiB at the end; {measured['parents_per_s']:.1f} parents/s "
-            "sustained",
-            flush=True,
-        )
-        return {
-            "tasks": parents * (1 + a.k),
-            "parents": parents,
-            "warmup_parents": a.memory_warmup,
-            "in_flight": a.in_flight,
-            "other_load_cores": other_load,
-            **rss,
-            "parents_per_s": measured["parents_per_s"],
-            "session": measured,
-            "samples": samplers[0].samples,
-        }
-
-    async def _cleanup_run(self, database_url: str, prefix: str) -> None:
-        errors = []
-        try:
-            await delete_topology(self.amqp_url, prefix, AGENTS)
-        except Exception as error:
-            errors.append(f"deleting queues of {prefix}: {error}")
-        try:
-            await migrations.drop_database(database_url)
-        except Exception as error:
-            errors.append(f"dropping {database_url.rsplit('/', 1)[1]}: {error}")
-        with contextlib.suppress(ValueError):
-            self.cleanups.remove((database_url, prefix))
-        if errors:
-            raise RuntimeError("; ".join(errors))
-
-    async def cleanup(self) -> None:
-        """Whatever is left after an error or Ctrl-C: workers, queues, databases, Celery's
-        workers, Redis and vhost."""
-        leftover = [w for w in self.all_workers if w.alive()]
-        if leftover:
-            stop_all(leftover, timeout=15)
-        if self.celery is not None:
-            try:
-                await self.celery.cleanup()
-            except Exception as error:
-                print(f"cleanup: celery: {error}", file=sys.stderr)
-        for database_url, prefix in list(self.cleanups):
-            try:
-                await self._cleanup_run(database_url, prefix)
-            except Exception as error:
-                print(f"cleanup: {error}", file=sys.stderr)
-        with contextlib.suppress(OSError):
-            for path in self.scratch.iterdir():
-                path.unlink()
-            self.scratch.rmdir()
-
-    async def main(self) -> dict[str, Any]:
-        started = time.monotonic()
-        a = self.args
-        self.logs.mkdir(parents=True, exist_ok=True)
-        for old in self.logs.glob("*.log"):
-            old.unlink()
-        versions = await server_versions(self.admin_url, self.amqp_url)
-        machine: dict[str, Any] = {
-            "nproc": os.cpu_count(),
-            "cpu": _cpu_model(),
-            "python": platform.python_version(),
-            "uvloop": _has_uvloop(),
-            "postgresql": versions["postgresql"],
-            "rabbitmq": versions["rabbitmq"],
-            "loadavg_at_start": list(os.getloadavg()),
-        }
-        print(
-            f"Waystation bench: {', '.join(a.only)}"
-            f"{' (and Celery side by side)' if a.compare else ''}; {a.workers} workers, K={a.k}, "
-            f"work_ms={a.work_ms:g}; {a.runs} run(s) of {a.warmup} warm-up + {a.parents} parents "
-            f"({a.in_flight} in flight) + {a.single} single; machine {machine['nproc']} CPUs, "
-            f"load {machine['loadavg_at_start'][0]:.2f}",
-            flush=True,
-        )
-        results: dict[str, Any] = {"machine": machine}
-        worker_modes = {"throughput", "single", "curve"} & set(a.only)
-        if a.compare == "celery" and worker_modes:
-            try:
-                from _bench.celery_job import CelerySide
-            except ImportError as error:
-                raise BenchFailure(
-                    f"--compare celery needs the bench extra ({error}); scripts/bench installs it"
-                ) from None
-            self.celery = CelerySide(
-                amqp_url=self.amqp_url,
-                k=a.k,
-                work_ms=a.work_ms,
-                workers=a.workers,
-                pool=a.celery_pool,
-                threads=a.celery_threads,
-                prefetch=a.celery_prefetch,
-                queue_type=a.celery_queue_type,
-                timeout=a.timeout,
-                logs=self.logs,
-                stopping=lambda: self.stopping,
-            )
-            results["celery"] = await self.celery.start()
-            print(f"celery: {results['celery']}", flush=True)
-        if {"throughput", "single"} & set(a.only):
-            results["runs"] = [await self.run(index + 1) for index in range(a.runs)]
-        if "curve" in a.only:
-            results["curve"] = await self.curve()
-            results["curve"]["chart"] = self._chart(results["curve"])
-        if "memory" in a.only:
-            results["memory"] = await self.memory()
-        if "append" in a.only:
-            results["append"] = await append_benchmark(
-                self.admin_url,
-                events=a.append_events,
-                batch=a.append_batch,
-                writers=a.append_writers,
-                runs=a.runs,
-            )
-        if "statestore" in a.only:
-            from _bench.statestore import statestore_benchmark
-
-            results["statestore"] = await statestore_benchmark(
-                self.admin_url,
-                events=a.statestore_events,
-                traces=a.statestore_traces,
-                concurrency=a.statestore_callers,
-                runs=a.runs,
-            )
-        if "rebuild" in a.only and a.rebuild_events:
-            results["projection_rebuild"] = await rebuild_benchmark(
-                self.admin_url, a.rebuild_events, a.runs
-            )
-        results["duration_s"] = time.monotonic() - started
-        summary = summarise(a, results)
-        print_report(summary)
-        return summary
-
-    def _chart(self, curve: dict[str, Any]) -> str | None:
-        try:
-            from _bench.chart import plot_curve
-        except ImportError:
-            return None
-        path = Path(self.args.chart)
-        path = path if path.is_absolute() else ROOT / path
-        try:
-            plot_curve(
-                {s: curve[s] for s in ("waystation", "celery") if curve.get(s)},
-                path,
-                title=f"fan-out/fan-in, K={self.args.k}, {self.args.workers} worker processes, "
-                f"{os.cpu_count()} CPUs; {self.args.curve_seconds:g}s window per point "
-                f"({time.strftime('%Y-%m-%d')})",
-            )
-        except ImportError:
-            print("bench: no chart: matplotlib is missing (scripts/bench installs it)", flush=True)
-            return None
-        return str(_shown(path))
-
-
-def _said(what: str, measured: dict[str, Any]) -> None:
+async def run_all(bench: Bench) -> dict[str, Any]:
+    """The modes asked for, in order; the summary (printed, and returned for the JSON)."""
+    started = time.monotonic()
+    a = bench.args
+    bench.logs.mkdir(parents=True, exist_ok=True)
+    for old in bench.logs.glob("*.log"):
+        old.unlink()
+    machine = await bench.machine()
     print(
-        f"{what}: {measured['parents_per_s']:.1f} parents/s, p50 "
-        f"{fmt(measured['latency_p50_ms'], '{:.1f}')} ms, p99 "
-        f"{fmt(measured['latency_p99_ms'], '{:.1f}')} ms",
+        f"Waystation bench: {', '.join(a.only)}"
+        f"{' (and Celery side by side)' if a.compare else ''}; {a.workers} workers, K={a.k}, "
+        f"work_ms={a.work_ms:g}; {a.runs} run(s) of {a.warmup} warm-up + {a.parents} parents "
+        f"({a.in_flight} in flight) + {a.single} single; machine {machine['nproc']} CPUs, "
+        f"load {machine['loadavg_at_start'][0]:.2f}",
         flush=True,
     )
+    results: dict[str, Any] = {"machine": machine}
+    worker_modes = {"throughput", "single", "curve"} & set(a.only)
+    if a.compare == "celery" and worker_modes:
+        results["celery"] = await bench.start_celery()
+        print(f"celery: {results['celery']}", flush=True)
+    if {"throughput", "single"} & set(a.only):
+        results["runs"] = [await run(bench, index + 1) for index in range(a.runs)]
+    if "curve" in a.only:
+        results["curve"] = await curve(bench)
+        results["curve"]["chart"] = chart(bench, results["curve"])
+    if "memory" in a.only:
+        results["memory"] = await memory(bench)
+    if "append" in a.only:
+        results["append"] = await append_benchmark(
+            bench.admin_url,
+            events=a.append_events,
+            batch=a.append_batch,
+            writers=a.append_writers,
+            runs=a.runs,
+        )
+    if "statestore" in a.only:
+        from _bench.statestore import statestore_benchmark
 
-
-def _curve_point(in_flight: int, measured: dict[str, Any]) -> dict[str, Any]:
-    keys = (
-        "parents_per_s",
-        "latency_p50_ms",
-        "latency_p99_ms",
-        "parents_measured",
-        "worker_cpu_ms_per_parent",
-        "bench_client_cpu_ms_per_parent",
-        "machine_cpu_ms_per_parent",
-        "worker_log_problems",
-    )
-    return {"in_flight": in_flight, **{k: measured.get(k) for k in keys}}
-
-
-async def _busy_cores(seconds: float) -> float:
-    """Cores the machine kept busy over ``seconds`` while the bench itself was idle."""
-    before = system_busy_seconds()
-    await asyncio.sleep(seconds)
-    return (system_busy_seconds() - before) / seconds
-
-
-def _drop_warmup(per_worker: list[list[float]], warmup: int) -> list[float]:
-    """The checkpoints of the measured phase: each worker's list is in time order and the warm-up
-    made ``warmup`` of them (one pause per parent), shared among the workers in proportion to
-    their totals (an estimate: the stats file has no timestamps)."""
-    total = sum(len(w) for w in per_worker)
-    kept: list[float] = []
-    for seconds in per_worker:
-        drop = round(warmup * len(seconds) / total) if total else 0
-        kept += seconds[drop:]
-    return kept
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1000
-
-
-def _cpu_model() -> str | None:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return None
-
-
-def _has_uvloop() -> bool:
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        results["statestore"] = await statestore_benchmark(
+            bench.admin_url,
+            events=a.statestore_events,
+            traces=a.statestore_traces,
+            concurrency=a.statestore_callers,
+            runs=a.runs,
+        )
+    if "rebuild" in a.only and a.rebuild_events:
+        results["projection_rebuild"] = await rebuild_benchmark(
+            bench.admin_url, a.rebuild_events, a.runs
+        )
+    results["duration_s"] = time.monotonic() - started
+    summary = summarise(a, results)
+    print_report(summary)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     bench = Bench(args)
     summary, error, interrupted = run_guarded(
-        bench.main, bench.cleanup, bench.interrupt, name="bench"
+        lambda: run_all(bench), bench.cleanup, bench.interrupt, name="bench"
     )
     if interrupted:
         print(
@@ -890,12 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     out = ROOT / args.json if not Path(args.json).is_absolute() else Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"\nresults: {_shown(out)}; worker logs: {_shown(bench.logs)}")
+    print(f"\nresults: {shown(out)}; worker logs: {shown(bench.logs)}")
     return 0
-
-
-def _shown(path: Path) -> Path:
-    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
 
 
 if __name__ == "__main__":

@@ -1,12 +1,17 @@
-"""What only the benchmark measures, for scripts/bench.py, scripts/demo.py and scripts/chaos.py
-(not part of the library).
+"""What only the benchmark measures, for scripts/bench.py (not part of the library), and its
+phases: :mod:`.setup` (the run's state, fresh databases and prefixes, the machine, Celery's side,
+the cleanup), :mod:`.session` (one worker session and its figures), :mod:`.drive` (the drivers
+that keep parents in flight), :mod:`.modes` (throughput, single, curve, memory),
+:mod:`.append`, :mod:`.statestore` and :mod:`.rebuild` (the modes without workers), and
+:mod:`.report` (the summary and the table, whose rows :mod:`.figures` defines); the Celery side
+(:mod:`.celery_job`, :mod:`.celery_app`, :mod:`.redis_server`), the chart (:mod:`.chart`).
 
-CPU time and resident memory from /proc, database and broker activity counters (the cost per
-parent), what is paused right now, the servers' versions, percentiles, and :func:`run_guarded`
-(a run whose cleanup happens whatever stops it). Worker processes, queues, databases and
-checks are the harness the scripts share with the tests: :mod:`scripts.lab.harness`. Standard
-library and the project's own dependencies only (the Celery side of the bench, which needs the
-``bench`` extra, is in :mod:`_bench.celery_job`).
+CPU time and resident memory from /proc, the database's activity counters (the cost per
+parent), the servers' versions and percentiles. Worker processes, queues, databases, checks,
+RabbitMQ's global counters, what is paused right now and :func:`run_guarded` (a run whose
+cleanup happens whatever stops it) are the harness the scripts share with each other and with
+the tests: :mod:`scripts.lab.harness`. Standard library and the project's own dependencies only
+(the Celery side of the bench, which needs the ``bench`` extra, is in :mod:`_bench.celery_job`).
 """
 
 from __future__ import annotations
@@ -14,70 +19,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
 import resource
-import shutil
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aio_pika
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from scripts.lab.harness.database import with_database
 
 __all__ = [
-    "broker_counters",
     "cpu_per_parent_ms",
     "cpu_snapshot",
     "database_counters",
-    "paused_now",
     "percentile",
     "process_cpu_seconds",
     "process_tree",
     "rabbitmq_pid",
     "rss_mb",
-    "run_guarded",
     "server_versions",
     "system_busy_seconds",
     "wait_for_backends_gone",
 ]
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-# ---- the broker's activity ------------------------------------------------------------------
-
-
-_COUNTERS_EXPR = (
-    "M = rabbit_global_counters:overview(), "
-    "P = maps:get([{protocol,amqp091}], M), "
-    "Q = maps:get([{protocol,amqp091},{queue_type,rabbit_quorum_queue}], M), "
-    "C = maps:get([{protocol,amqp091},{queue_type,rabbit_classic_queue}], M), "
-    "[maps:get(messages_routed_total, P), maps:get(messages_delivered_total, Q), "
-    "maps:get(messages_delivered_total, C), maps:get(messages_redelivered_total, Q)]."
-)
-
-
-def broker_counters() -> dict[str, int] | None:
-    """RabbitMQ's global message counters (whole broker), or None when rabbitmqctl can't tell."""
-    if shutil.which("rabbitmqctl") is None:
-        return None
-    try:
-        out = subprocess.run(
-            ["rabbitmqctl", "eval", _COUNTERS_EXPR], capture_output=True, text=True, timeout=30
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    found = re.search(r"\[(\d+),(\d+),(\d+),(\d+)\]", out.stdout.replace(" ", "").replace("\n", ""))
-    if out.returncode != 0 or not found:
-        return None
-    routed, quorum, classic, redelivered = (int(g) for g in found.groups())
-    return {"routed": routed, "delivered": quorum + classic, "redelivered": redelivered}
 
 
 # ---- the database's activity ----------------------------------------------------------------
@@ -102,19 +69,6 @@ async def database_counters(admin_url: str, database: str) -> dict[str, int]:
     if row is None:
         return {"xact_commit": 0, "xact_rollback": 0, "sessions": 0}
     return {"xact_commit": int(row[0]), "xact_rollback": int(row[1]), "sessions": int(row[2])}
-
-
-async def paused_now(engine: AsyncEngine) -> int | None:
-    """Tasks waiting for peer replies right now, per the paused_tasks projection; None when it
-    cannot be read (the database is down, say)."""
-    try:
-        async with engine.connect() as connection:
-            found = await connection.scalar(
-                text("SELECT count(*) FROM paused_tasks WHERE status = 'paused'")
-            )
-    except Exception:
-        return None
-    return int(found or 0)
 
 
 async def wait_for_backends_gone(
@@ -272,110 +226,3 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     low = int(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-# ---- running with a guaranteed cleanup ---------------------------------------------------------
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
-def run_guarded(
-    work: Callable[[], Awaitable[Any]],
-    cleanup: Callable[[], Awaitable[None]],
-    on_interrupt: Callable[[], None],
-    *,
-    name: str,
-    give_up_after: float = 20.0,
-    uvloop: bool = True,
-) -> tuple[Any, BaseException | None, bool]:
-    """Run ``work()`` then, whatever happened, ``cleanup()``; (result, error, interrupted).
-
-    SIGINT and SIGTERM call ``on_interrupt`` (stop the workers now) and cancel the work, again
-    every 2 seconds while it is still running, and stop waiting for it after ``give_up_after``
-    seconds; the cleanup then runs regardless (a signal during the cleanup only says so). On
-    uvloop when it is installed, like the workers, unless ``uvloop`` is false: a child that
-    starts a daemon (``pg_ctlcluster start``) never looks finished to uvloop, whose children
-    inherit a pipe of its own that the daemon then holds open.
-    """
-    loop = _new_loop() if uvloop else asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    state = {"interrupted_at": 0.0, "cleaning": False}
-    task: asyncio.Task[Any] = loop.create_task(work())  # type: ignore[arg-type]
-
-    def on_signal() -> None:
-        if state["cleaning"]:
-            print(f"{name}: cleaning up, please wait", file=sys.stderr, flush=True)
-            return
-        if not state["interrupted_at"]:
-            state["interrupted_at"] = time.monotonic()
-            print(
-                f"\n{name}: interrupted; stopping the workers and cleaning up",
-                file=sys.stderr,
-                flush=True,
-            )
-            with contextlib.suppress(Exception):
-                on_interrupt()
-        task.cancel()
-
-    async def supervise() -> None:
-        last_cancel = 0.0
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.5)
-            started = state["interrupted_at"]
-            if started and not task.done():
-                now = time.monotonic()
-                if now - started > give_up_after:
-                    print(
-                        f"{name}: the run did not stop within {give_up_after:.0f}s; "
-                        "cleaning up anyway",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    return
-                if now - last_cancel > 2:
-                    task.cancel()
-                    last_cancel = now
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, on_signal)
-    result: Any = None
-    error: BaseException | None = None
-    try:
-        loop.run_until_complete(supervise())
-        if task.done():
-            if task.cancelled():
-                error = asyncio.CancelledError()
-            else:
-                error = task.exception()
-                result = None if error else task.result()
-        else:
-            error = TimeoutError("the run did not stop")
-        state["cleaning"] = True
-        try:
-            loop.run_until_complete(asyncio.wait_for(cleanup(), 120))
-        except Exception as cleanup_error:
-            print(
-                f"{name}: cleanup failed: {type(cleanup_error).__name__}: {cleanup_error}",
-                file=sys.stderr,
-            )
-            error = error or cleanup_error
-        # whatever is still pending (a stuck task of the run): cancel it, briefly
-        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-        for stray in pending:
-            stray.cancel()
-        if pending:
-            loop.run_until_complete(asyncio.wait(pending, timeout=3))
-        with contextlib.suppress(Exception):
-            loop.run_until_complete(loop.shutdown_asyncgens())
-    finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(signum)
-        asyncio.set_event_loop(None)
-        loop.close()
-    return result, error, bool(state["interrupted_at"])

@@ -29,7 +29,9 @@ from ..support import Services, eventually, require, serving_cluster
 
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _bench.chaos import HOSTILE_KINDS, TASK_KINDS, ChaosCollector
+from _chaos.collector import ChaosCollector
+from _chaos.hostile import HOSTILE_KINDS
+from _chaos.plan import TASK_KINDS
 
 pytestmark = pytest.mark.integration
 

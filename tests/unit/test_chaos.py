@@ -19,21 +19,17 @@ from waystation.events.codec import dumps, loads
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from _bench.chaos import (  # noqa: E402
+from _chaos.answers import answer_figures, letter_task_id  # noqa: E402
+from _chaos.collector import counter_values  # noqa: E402
+from _chaos.hostile import (  # noqa: E402
     HOSTILE_KINDS,
     HostileSent,
-    TaskMix,
-    answer_figures,
-    counter_values,
-    expected_answer,
     hostile_figures,
     hostile_message,
     hostile_plan,
     hostile_tag,
-    letter_task_id,
-    plan_faults,
-    plan_tasks,
 )
+from _chaos.plan import TaskMix, expected_answer, plan_faults, plan_tasks  # noqa: E402
 
 K, ROUNDS = 3, 2
 

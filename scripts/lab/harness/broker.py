@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import shutil
+import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -322,3 +324,33 @@ async def broker_size_limit(limit: int) -> AsyncIterator[None]:
         yield
     finally:
         await run_rabbitmqctl("eval", f"application:set_env(rabbit, max_message_size, {before}).")
+
+
+# ---- the broker's activity (its global counters) --------------------------------------------
+
+
+_COUNTERS_EXPR = (
+    "M = rabbit_global_counters:overview(), "
+    "P = maps:get([{protocol,amqp091}], M), "
+    "Q = maps:get([{protocol,amqp091},{queue_type,rabbit_quorum_queue}], M), "
+    "C = maps:get([{protocol,amqp091},{queue_type,rabbit_classic_queue}], M), "
+    "[maps:get(messages_routed_total, P), maps:get(messages_delivered_total, Q), "
+    "maps:get(messages_delivered_total, C), maps:get(messages_redelivered_total, Q)]."
+)
+
+
+def broker_counters() -> dict[str, int] | None:
+    """RabbitMQ's global message counters (whole broker), or None when rabbitmqctl can't tell."""
+    if shutil.which("rabbitmqctl") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["rabbitmqctl", "eval", _COUNTERS_EXPR], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"\[(\d+),(\d+),(\d+),(\d+)\]", out.stdout.replace(" ", "").replace("\n", ""))
+    if out.returncode != 0 or not found:
+        return None
+    routed, quorum, classic, redelivered = (int(g) for g in found.groups())
+    return {"routed": routed, "delivered": quorum + classic, "redelivered": redelivered}

@@ -92,20 +92,10 @@ def result_figures(
 ) -> ResultFigures:
     """Compare every result message (task id, body, redelivered) with ``expected`` (task id ->
     the ``result`` its ``ok`` answer must carry)."""
-    bodies: dict[str, list[bytes]] = {}
-    redelivered_duplicates = unexpected = total = 0
-    for task_id, body, redelivered in messages:
-        total += 1
-        if task_id is None or task_id not in expected:
-            unexpected += 1
-            continue
-        seen = bodies.setdefault(task_id, [])
-        if seen and redelivered:
-            redelivered_duplicates += 1
-        seen.append(body)
+    bodies, redelivered_duplicates, unexpected, total = results_by_task(expected, messages)
     wrong = []
     for task_id, received in bodies.items():
-        distinct = {_canonical_or_raw(body) for body in received}
+        distinct = {canonical_or_raw(body) for body in received}
         want = canonical({"status": "ok", "result": expected[task_id]})
         if len(distinct) != 1 or _answer(received[0]) != want:
             wrong.append(task_id)
@@ -122,7 +112,28 @@ def result_figures(
     )
 
 
-def _canonical_or_raw(body: bytes) -> bytes:
+def results_by_task(
+    expected: Collection[str], messages: Iterable[tuple[str | None, bytes, bool]]
+) -> tuple[dict[str, list[bytes]], int, int, int]:
+    """The bodies of every result message (task id, body, redelivered) of a task of
+    ``expected``, by task id; and how many of them the broker delivered again after a first,
+    how many are of no task of ``expected``, how many there were."""
+    bodies: dict[str, list[bytes]] = {}
+    redelivered_duplicates = unexpected = total = 0
+    for task_id, body, redelivered in messages:
+        total += 1
+        if task_id is None or task_id not in expected:
+            unexpected += 1
+            continue
+        seen = bodies.setdefault(task_id, [])
+        if seen and redelivered:
+            redelivered_duplicates += 1
+        seen.append(body)
+    return bodies, redelivered_duplicates, unexpected, total
+
+
+def canonical_or_raw(body: bytes) -> bytes:
+    """A body as canonical JSON, or as it is when it is not JSON (so that two compare)."""
     try:
         return canonical(loads(body))
     except Exception:

@@ -109,6 +109,10 @@ class DurableResultCollector(RecordingClient):
 
     async def _on_result(self, message: AbstractIncomingMessage) -> None:
         await super()._on_result(message)
+        await self._ack(message)
+
+    @staticmethod
+    async def _ack(message: AbstractIncomingMessage) -> None:
         try:
             await message.ack()
         except (

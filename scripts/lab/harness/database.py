@@ -144,3 +144,19 @@ class PostgresCluster:
     async def ensure_running(self) -> None:
         if not await self.online():
             await self.start()
+
+
+# ---- what a run's database says now -----------------------------------------------------------
+
+
+async def paused_now(engine: AsyncEngine) -> int | None:
+    """Tasks waiting for peer replies right now, per the paused_tasks projection; None when it
+    cannot be read (the database is down, say)."""
+    try:
+        async with engine.connect() as connection:
+            found = await connection.scalar(
+                sa.text("SELECT count(*) FROM paused_tasks WHERE status = 'paused'")
+            )
+    except Exception:
+        return None
+    return int(found or 0)

@@ -4,7 +4,8 @@
 (``python -m waystation.cli worker --app APP``), another ``waystation`` command (``["projections",
 "run"]``), or ``python -m MODULE ...`` of another module (the benchmark's Celery workers). Its
 environment is whole: build a worker's from a :class:`~waystation.settings.Settings` with
-:func:`worker_environment`, or write the ``WAYSTATION_*`` variables out as the scripts do.
+:func:`worker_environment`, a script's process with a metrics port of its own with
+:func:`run_environment`, or write the ``WAYSTATION_*`` variables out as the bench does.
 Also: :func:`stop_all`, :func:`free_port`, :func:`run_tool` (a command whose failure is an
 error), :func:`waystation_cli`, the ends of logs and the problems in them, and the counters a
 worker writes to ``WAYSTATION_STATS_FILE`` when it stops.
@@ -311,6 +312,31 @@ def log_problems(paths: Iterable[Path], keep: int = 5) -> tuple[int, list[str]]:
 def metrics_env(port: int) -> dict[str, str]:
     """Environment that makes a worker serve ``/metrics`` and ``/healthz`` on 127.0.0.1:``port``."""
     return {"WAYSTATION_METRICS_PORT": str(port), "WAYSTATION_METRICS_HOST": "127.0.0.1"}
+
+
+def run_environment(
+    name: str,
+    ports: dict[str, int],
+    *,
+    database_url: str,
+    amqp_url: str,
+    queue_prefix: str,
+    **overrides: str,
+) -> dict[str, str]:
+    """The ``WAYSTATION_*`` environment of the process ``name`` of a script's run (the demo's,
+    the chaos run's): the run's database, broker and queue prefix, a metrics port of its own (a
+    free one that none in ``ports`` has, recorded there under ``name``) and text logs (readable
+    when they are kept); ``overrides`` on top."""
+    port = free_port(exclude=ports.values())
+    ports[name] = port
+    return {
+        "WAYSTATION_DATABASE_URL": database_url,
+        "WAYSTATION_AMQP_URL": amqp_url,
+        "WAYSTATION_QUEUE_PREFIX": queue_prefix,
+        **metrics_env(port),
+        "WAYSTATION_LOG_FORMAT": "text",
+        **overrides,
+    }
 
 
 def stats_env(path: Path) -> dict[str, str]:
