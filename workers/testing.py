@@ -61,7 +61,10 @@ class InMemoryPool:
     ``settings`` (or keyword overrides of :data:`DEFAULTS`, by setting name) configure every
     worker; the broker's delivery limit follows them, as the deployment's RabbitMQ policy
     would. ``tracer_provider`` is the OpenTelemetry provider the workers' spans go to
-    (``Worker``'s). Use it as an ``async with`` block, or call :meth:`start` and :meth:`close`."""
+    (``Worker``'s). ``workers=0`` starts none: add them with :meth:`add_worker`. ``broker``: an
+    in-memory broker of the caller's (one that counts deliveries as RabbitMQ 4.3 does, say)
+    instead of the pool's own. Use it as an ``async with`` block, or call :meth:`start` and
+    :meth:`close`."""
 
     def __init__(
         self,
@@ -70,17 +73,18 @@ class InMemoryPool:
         workers: int = 1,
         settings: Settings | None = None,
         tracer_provider: TracerProvider | None = None,
+        broker: InMemoryBroker | None = None,
         **overrides: Any,
     ) -> None:
-        if workers < 1:
-            raise ValueError(f"an in-memory pool needs at least one worker, not {workers}")
+        if workers < 0:
+            raise ValueError(f"an in-memory pool cannot have {workers} workers")
         self.app = app
         self.tracer_provider = tracer_provider
         self.settings = settings or Settings(**{**DEFAULTS, **overrides})
         self.names = Names(self.settings.queue_prefix)
         # the broker's own backstop, as the deployment's RabbitMQ policy sets it
         limit = crash_limit(self.settings.delivery_limit) + 1
-        self.broker = InMemoryBroker(delivery_limit=limit)
+        self.broker = broker or InMemoryBroker(delivery_limit=limit)
         self.store = InMemoryEventStore()
         self.slots = MemorySlotLeases()
         self.workers: list[Worker] = []

@@ -16,11 +16,10 @@ from waystation.brokers.memory import InMemoryBroker, InMemoryConnection
 from waystation.brokers.port import Delivery
 from waystation.events import OutboxMessage
 from waystation.events.codec import dumps, loads
-from waystation.events.memory import InMemoryEventStore
 from waystation.protocol.wire import CONTENT_TYPE, Names
 from waystation.runtime.worker import Worker
 from waystation.settings import Settings
-from waystation.slots.memory import MemorySlotLeases
+from waystation.testing import InMemoryPool
 
 PREFIX = "mem."
 RESULTS = "mem.test-results"
@@ -41,36 +40,26 @@ def settings(**overrides: Any) -> Settings:
     return Settings(**{**base, **overrides})
 
 
-class World:
-    """Workers of ``app`` on one in-memory broker and store; a publisher collecting answers."""
+class World(InMemoryPool):
+    """The test kit's in-memory pool of ``app`` (``waystation.testing``), its workers started
+    one by one, with a publisher of its own that sends any message a test needs and collects
+    every answer (in ``answers``, by correlation id)."""
 
     def __init__(self, app: App, config: Settings, *, counting: str = "classic") -> None:
-        self.app = app
-        self.settings = config
-        self.names = Names(config.queue_prefix)
-        _, policy = policy_definition(self.names, config.delivery_limit)
+        names = Names(config.queue_prefix)
+        _, policy = policy_definition(names, config.delivery_limit)
         limit = policy["delivery-limit"]
         assert isinstance(limit, int)
-        self.broker = InMemoryBroker(delivery_limit=limit, counting=counting)  # type: ignore[arg-type]
-        self.store = InMemoryEventStore()
-        self.slots = MemorySlotLeases()
-        self.workers: list[Worker] = []
+        broker = InMemoryBroker(delivery_limit=limit, counting=counting)  # type: ignore[arg-type]
+        super().__init__(app, workers=0, settings=config, broker=broker)
         self.answers: dict[str, list[Any]] = defaultdict(list)
         self.publisher: InMemoryConnection = self.broker.connection("publisher")
 
     async def start_worker(self, name: str = "w") -> Worker:
-        worker = Worker(
-            self.app,
-            self.settings.model_copy(update={"worker_id": name}),
-            self.store,
-            broker=self.broker.connection(name),
-            slots=self.slots,
-        )
-        await worker.start()
-        self.workers.append(worker)
-        return worker
+        return await self.add_worker(name)
 
     async def open(self) -> None:
+        await self.start()
         await self.publisher.connect()
         await self.publisher.declare(self.names, self.app.agents)
         self.broker.declare_queue(RESULTS)
@@ -124,8 +113,7 @@ class World:
         return holder, held
 
     async def close(self) -> None:
-        for worker in self.workers:
-            await worker.stop()
+        await super().close()
         await self.publisher.close()
 
 

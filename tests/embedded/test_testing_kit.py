@@ -101,5 +101,5 @@ async def test_a_task_for_an_agent_the_app_does_not_have_is_refused_before_it_is
     async with InMemoryPool(app) as pool:
         with pytest.raises(ValueError, match=r"no agent 'parnet' \(its agents: broken, child"):
             await pool.submit("parnet", {})
-    with pytest.raises(ValueError, match="at least one worker"):
-        InMemoryPool(app, workers=0)
+    with pytest.raises(ValueError, match="cannot have -1 workers"):
+        InMemoryPool(app, workers=-1)
