@@ -148,3 +148,25 @@ def test_a_wheel_of_the_checkout_installs_only_waystation_at_top_level(tmp_path:
     assert any(n.startswith("waystation/migrations/versions/0") for n in names)
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     assert "waystation = waystation.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+LONG_MODULE = 420
+"""Lines past which a module of the package says in its docstring why it stays one module."""
+
+
+def test_every_long_module_says_why_it_is_one() -> None:
+    sources = [
+        path
+        for folder in ("workers", "events", "projections")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+    ]
+    assert len(sources) > 60, sources
+    unexplained = []
+    for source in sources:
+        text = source.read_text()
+        if text.count("\n") <= LONG_MODULE:
+            continue
+        docstring = ast.get_docstring(ast.parse(text)) or ""
+        if "Why one module" not in docstring and "Over 400 lines" not in docstring:
+            unexplained.append(str(source.relative_to(ROOT)))
+    assert unexplained == []

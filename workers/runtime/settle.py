@@ -24,7 +24,7 @@ settled (requeued at worst), never left holding its place in the prefetch.
 Answers to publishers (``Settler.answer``) go out directly, not through the outbox: one the
 broker will not take is kept as a dead letter with its reason.
 
-Why one module of some 470 lines: its dead letters, the copies it sends back and its answers all go
+Why one module of some 450 lines: its dead letters, the copies it sends back and its answers all go
 through one publish with its refusals retried in place (``Settler._publish``), and each falls back
 on another (an answer the broker will not take becomes a dead letter).
 """
