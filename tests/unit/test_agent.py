@@ -35,7 +35,7 @@ def context(value: Any = None) -> TaskContext:
 
 def flows(threads: ThreadPoolExecutor | None = None) -> Steps:
     """Steps with only what ``run_handler`` uses."""
-    return Steps(*([None] * 9), threads)  # type: ignore[arg-type, call-arg]
+    return Steps(*([None] * 10), threads)  # type: ignore[arg-type, call-arg]
 
 
 def test_a_coroutine_function_is_async_and_a_plain_function_is_blocking() -> None:

@@ -57,13 +57,11 @@ async def _stream_of_four(store: InMemoryEventStore) -> list[RecordedEvent]:
     return await store.read_stream(TASK)
 
 
-def recorder_without_outbox(store: InMemoryEventStore, **options: Any) -> Recorder:
+def recorder_on(store: InMemoryEventStore, **options: Any) -> Recorder:
     """A recorder on ``store`` for decisions that append nothing (``options``: the Recorder's)."""
-    unused: object = None  # loading needs neither the outbox nor the fault plan's points
     return Recorder(
         store,
         Names(prefix="catch-up."),
-        unused,  # type: ignore[arg-type]
         Observer(),
         worker_id="w-1",
         clock=lambda: 0.0,
@@ -76,7 +74,7 @@ def recorder_without_outbox(store: InMemoryEventStore, **options: Any) -> Record
 async def test_a_known_copy_is_caught_up_from_the_log_after_its_last_version() -> None:
     store = ReadsRecorded()
     log = await _stream_of_four(store)
-    recorder = recorder_without_outbox(store)
+    recorder = recorder_on(store)
     store.reads.clear()
     state, history, from_cache = await recorder.load_events(TASK, known=log[:2])
     assert store.reads == [2]
@@ -90,7 +88,7 @@ async def test_a_known_copy_is_caught_up_from_the_log_after_its_last_version() -
 async def test_a_known_copy_that_does_not_link_up_is_read_again_whole() -> None:
     store = ReadsRecorded()
     log = await _stream_of_four(store)
-    recorder = recorder_without_outbox(store)
+    recorder = recorder_on(store)
     store.reads.clear()
     wrong = [log[0], dataclasses.replace(log[1], hash=bytes(32))]
     _, history, _ = await recorder.load_events(TASK, known=wrong)
@@ -112,7 +110,7 @@ async def test_a_copy_the_log_finds_current_keeps_what_was_decided_on_it() -> No
     # nothing newer, the decision taken on the copy stands (not folded and decided again)
     store = ReadsRecorded()
     log = await _stream_of_four(store)
-    recorder = recorder_without_outbox(store)
+    recorder = recorder_on(store)
     recorder.cache.put(TASK, log, finished=False)
     store.reads.clear()
     seen: list[int] = []
@@ -126,7 +124,7 @@ async def test_a_copy_the_log_finds_current_keeps_what_was_decided_on_it() -> No
 async def test_a_copy_the_log_finds_stale_is_decided_again_on_what_the_read_found() -> None:
     store = ReadsRecorded()
     log = await _stream_of_four(store)
-    recorder = recorder_without_outbox(store)
+    recorder = recorder_on(store)
     recorder.cache.put(TASK, log[:2], finished=False)
     store.reads.clear()
     seen: list[int] = []
@@ -141,7 +139,7 @@ def test_a_part_takes_events_made_for_it_and_makes_the_rest() -> None:
     """``part(..., made=)``: the first events as made already (the run resumed in place made
     them under the decision's key), the rest made under the same key; made events that are not
     the decision's own (another type) are not taken: all are made anew, with the same ids."""
-    recorder = recorder_without_outbox(InMemoryEventStore())
+    recorder = recorder_on(InMemoryEventStore())
     state = TaskState(TASK, version=2)
     events = [TaskResumed(pause=1), TaskCompleted(result=1)]
     cause = Cause(message_id="m")

@@ -17,7 +17,7 @@ from waystation.events.memory import InMemoryEventStore
 from waystation.runtime import combining, streams
 from waystation.runtime.recorder import Applied, Cause, Recorder
 
-from .test_recorder_catch_up import recorder_without_outbox
+from .test_recorder_catch_up import recorder_on
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,9 +30,7 @@ async def _recorder(gather_seconds: float, *, stopping: bool = False) -> Recorde
     store = InMemoryEventStore()
     new = NewEvent.of(uuid.uuid4(), TaskStarted(agent="boss", input={}), {"worker_id": "w-1"})
     await store.append(TASK, 0, [new], prev_hash=GENESIS_HASH)
-    recorder = recorder_without_outbox(
-        store, stopping=lambda: stopping, gather_seconds=gather_seconds
-    )
+    recorder = recorder_on(store, stopping=lambda: stopping, gather_seconds=gather_seconds)
     recorder.cache.put(TASK, await store.read_stream(TASK), finished=False)
     return recorder
 

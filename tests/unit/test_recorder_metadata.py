@@ -18,11 +18,10 @@ from waystation.runtime.recorder import Cause, Recorder
 
 
 def recorder() -> Recorder:
-    parts: Any = None  # metadata needs none of the store, outbox or observer
+    parts: Any = None  # metadata needs neither the store nor the observer
     return Recorder(
         parts,
         Names(prefix="meta."),
-        parts,
         parts,
         worker_id="w-1",
         clock=lambda: 1234.5,

@@ -1,8 +1,10 @@
-"""Recording decisions: read a task's stream, decide, append, and hand on what the append implies.
+"""Recording decisions: read a task's stream, decide, append, and hand on what the append committed.
 
 Every flow of the worker records through a :class:`Recorder`: it folds the stream into the task's
 state, asks the flow's pure ``decide`` function (``waystation.events.task``) for the events, and
-appends them with the messages they imply (G4) in one statement, at the version it read. A conflict
+appends them with the messages they imply (G4) in one statement, at the version it read; what
+committed goes to the pipeline's publish step (``waystation.runtime.publishing``), which sends it
+once the flow returns. A conflict
 (another writer appended first) means read and decide again. Event ids derive from what caused them,
 so a redelivery's or a re-run's append finds its events already there and writes nothing
 (``AppendResult.duplicate``).
@@ -56,7 +58,7 @@ from waystation.runtime.decisions import (
 )
 from waystation.runtime.faults import FaultPlan
 from waystation.runtime.outages import Outages
-from waystation.runtime.outbox import OutboxPublisher
+from waystation.runtime.publishing import committed_here
 from waystation.runtime.streams import StreamCache, StreamLocks
 
 __all__ = [
@@ -76,13 +78,12 @@ T = TypeVar("T")
 
 
 class Recorder:
-    """Reads, decides and appends for one worker; hands committed messages to the outbox."""
+    """Reads, decides and appends for one worker; hands what committed to the publish step."""
 
     def __init__(
         self,
         store: EventStore,
         names: Names,
-        outbox: OutboxPublisher,
         observer: Observer,
         *,
         worker_id: str,
@@ -104,7 +105,6 @@ class Recorder:
         """True once the worker is stopping: an append then gives up on an outage."""
         self.store = store
         self.names = names
-        self.outbox = outbox
         self.observer = observer
         self.worker_id = worker_id
         self.clock = clock
@@ -400,7 +400,8 @@ class Recorder:
         history: list[RecordedEvent] | None = None,
         made: Sequence[NewEvent] = (),
     ) -> bool:
-        """Append and publish; False when the events were already recorded (nothing done).
+        """Append, and hand the messages to the publish step; False when the events were already
+        recorded (nothing done).
 
         ``resume_attempts``: runs of the resumed handler that already failed in place; the resume
         message carries the count, so that the retries stay within the agent's attempts, and
@@ -422,8 +423,10 @@ class Recorder:
         self, parts: Sequence[Part], *, step: str, history: list[RecordedEvent] | None
     ) -> bool:
         """Append the decisions ``parts``, each made on the state the ones before it leave, in
-        one statement at the first one's version; then publish what they imply. False when
-        the first one's events were recorded already (nothing was written)."""
+        one statement at the first one's version; then hand what they imply to the publish
+        step of the work they belong to. False when the first one's events were recorded
+        already (nothing was written)."""
+        committed = committed_here()
         state = parts[0].state
         new_events = [event for part in parts for event in part.new_events]
         messages = [message for part in parts for message in part.messages]
@@ -445,11 +448,6 @@ class Recorder:
                 part.context.run(self.observer.appended, part.state.agent, part.events, part.state)
         for _ in parts:  # a fault point counts decisions, however many one append holds
             self.faults.hit(f"{step}.committed")
-        if messages:
-            # committed, so the outbox holds them (G4): send now, and let their confirms arrive
-            # while this delivery is acked and the next one handled
-            self.outbox.send_committed(result.outbox_ids, messages)
-            await asyncio.sleep(0)  # let it hand its frames to the connection first
-        for _ in parts:
-            self.faults.hit(f"{step}.published")
+        # committed, so the outbox holds them (G4): the publish step sends them
+        committed.add(step, len(parts), result.outbox_ids, messages)
         return True

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from waystation.events import EventStore, ExpiredCall, decide_timeout
 from waystation.observability.logs import log_context
 from waystation.observability.observer import Observer
+from waystation.runtime.publishing import PublishStep
 from waystation.runtime.recorder import Cause, Recorder, UnreadableStream
 
 __all__ = ["DeadlineSweeper"]
@@ -34,6 +35,7 @@ class DeadlineSweeper:
         self,
         store: EventStore,
         recorder: Recorder,
+        publishing: PublishStep,
         observer: Observer,
         *,
         deployment: str,
@@ -42,6 +44,7 @@ class DeadlineSweeper:
     ) -> None:
         self.store = store
         self.recorder = recorder
+        self.publishing = publishing
         self.observer = observer
         self.deployment = deployment
         self.interval = interval
@@ -85,16 +88,20 @@ class DeadlineSweeper:
 
     async def record_timeout(self, call: ExpiredCall) -> None:
         with log_context(task_id=call.task_id, subtask_id=call.subtask_id):
-            applied = await self.recorder.append_decision(
-                call.task_id,
-                # on the database's clock, which decided the call expired: a worker whose own
-                # clock is behind would otherwise find it not expired, and its lease would hold
-                # the call back from every other sweeper
-                lambda state: decide_timeout(state, call.subtask_id, now=call.now or self.clock()),
-                key=lambda _: f"timeout:{call.subtask_id}",
-                cause=Cause(message_id=f"deadline:{call.subtask_id}"),
-                step="timeout",
-            )
+            with self.publishing.collecting() as committed:
+                applied = await self.recorder.append_decision(
+                    call.task_id,
+                    # on the database's clock, which decided the call expired: a worker whose own
+                    # clock is behind would otherwise find it not expired, and its lease would hold
+                    # the call back from every other sweeper
+                    lambda state: decide_timeout(
+                        state, call.subtask_id, now=call.now or self.clock()
+                    ),
+                    key=lambda _: f"timeout:{call.subtask_id}",
+                    cause=Cause(message_id=f"deadline:{call.subtask_id}"),
+                    step="timeout",
+                )
+            await self.publishing.publish(committed)
             if applied.events:
                 log.info("call %s to %s timed out", call.subtask_id, call.agent)
                 self.observer.timeout(call.agent)

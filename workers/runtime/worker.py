@@ -49,6 +49,7 @@ from waystation.runtime.flows.undeliverable import handle_undeliverable
 from waystation.runtime.limits import PoolLimits
 from waystation.runtime.outages import Outages
 from waystation.runtime.outbox import OutboxPublisher
+from waystation.runtime.publishing import PublishStep
 from waystation.runtime.recorder import Recorder, UnreadableStream
 from waystation.runtime.routing import ReplyRoutes
 from waystation.runtime.settle import Settler
@@ -116,6 +117,7 @@ class Worker:
             on_undeliverable=self._undeliverable,
             refused_for=settings.refused_retry_seconds,
         )
+        self.publishing = PublishStep(self.outbox, faults)
         self.routes = ReplyRoutes(
             self.names,
             settings.worker_id,
@@ -126,7 +128,6 @@ class Worker:
         self.recorder = Recorder(
             store,
             self.names,
-            self.outbox,
             self.observer,
             worker_id=settings.worker_id,
             clock=clock,
@@ -161,12 +162,14 @@ class Worker:
             clock,
             faults,
             self.settler,
+            self.publishing,
             self.threads,
             self.limits,
         )
         self.sweeper = DeadlineSweeper(
             store,
             self.recorder,
+            self.publishing,
             self.observer,
             deployment=self.names.prefix,
             interval=settings.sweep_interval,
@@ -319,8 +322,11 @@ class Worker:
         self, message: OutboxMessage, error: BrokerError
     ) -> OutboxMessage | None:
         """A committed message the broker will not take
-        (``waystation.runtime.flows.undeliverable``)."""
-        return await handle_undeliverable(self.steps, message, error)
+        (``waystation.runtime.flows.undeliverable``): its consequences are recorded, then sent."""
+        with self.publishing.collecting() as committed:
+            instead = await handle_undeliverable(self.steps, message, error)
+        await self.publishing.publish(committed)
+        return instead
 
     # ---- every delivery ----------------------------------------------------------------------
 
@@ -331,7 +337,9 @@ class Worker:
         started = time.perf_counter()
         try:
             with log_context(**_context_of(delivery, kind)), tracing.consuming(delivery.headers):
-                settled = await self._process(delivery, spec, kind)
+                with self.publishing.collecting() as committed:
+                    settled = await self._process(delivery, spec, kind)
+                await self.publishing.publish(committed)
                 if settled.disposition is Disposition.ACK:
                     # not shielded (a task per delivery): this task is cancelled only when
                     # its channel closes, and then the broker takes the message back, acked

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -26,6 +27,7 @@ import waystation.runtime.flows.base
 import waystation.runtime.flows.cancel
 import waystation.runtime.flows.reply
 import waystation.runtime.outbox
+import waystation.runtime.publishing
 import waystation.runtime.recorder
 import waystation.runtime.settle
 import waystation.runtime.sweeper
@@ -227,6 +229,20 @@ def _is_request(message: OutboxMessage) -> bool:
 
 
 _commit_parts = waystation.runtime.recorder.Recorder._commit_parts
+_collecting = waystation.runtime.publishing.PublishStep.collecting
+_broker_here: contextvars.ContextVar[Any] = contextvars.ContextVar("broker_here")
+
+
+@contextlib.contextmanager
+def _collecting_with_the_broker(self: waystation.runtime.publishing.PublishStep) -> Iterator[Any]:
+    """The publish step's scope, with its broker at hand for :func:`_requests_before_the_pause`
+    (the recorder itself never holds one)."""
+    token = _broker_here.set(self.outbox.broker)
+    try:
+        with _collecting(self) as committed:
+            yield committed
+    finally:
+        _broker_here.reset(token)
 
 
 async def _requests_before_the_pause(
@@ -242,7 +258,7 @@ async def _requests_before_the_pause(
     requests = [m for part in parts for m in part.messages if _is_request(m)]
     if requests:
         with contextlib.suppress(Exception):
-            await self.outbox.broker.publish_all(requests)
+            await _broker_here.get().publish_all(requests)
         parts = [
             dataclasses.replace(part, messages=[m for m in part.messages if not _is_request(m)])
             for part in parts
@@ -412,7 +428,8 @@ MUTATIONS: dict[str, list[Patch]] = {
     ],
     # G5, the dual path: requests published before the pause commits, outbox rows forgotten
     "requests-before-pause-commits": [
-        (waystation.runtime.recorder.Recorder, "_commit_parts", _requests_before_the_pause)
+        (waystation.runtime.recorder.Recorder, "_commit_parts", _requests_before_the_pause),
+        (waystation.runtime.publishing.PublishStep, "collecting", _collecting_with_the_broker),
     ],
     # G7: a cancel naming the claimed calls too, or leaving one outstanding call out
     "cancel-names-claimed-calls": [

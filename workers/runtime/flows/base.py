@@ -35,6 +35,7 @@ from waystation.policies import Backoff, Permanent, TimeLimitExceeded
 from waystation.protocol.wire import Names, ResultEnvelope, result_message
 from waystation.runtime.faults import FaultPlan
 from waystation.runtime.limits import UNLIMITED, Admission, PoolLimits
+from waystation.runtime.publishing import PublishStep
 from waystation.runtime.recorder import Cause, Recorder
 from waystation.runtime.settle import Settler
 from waystation.runtime.verdicts import (
@@ -156,6 +157,8 @@ class Steps:
     clock: Callable[[], float]
     faults: FaultPlan
     settler: Settler
+    publishing: PublishStep
+    """Sends what an append committed (the delivery loop, the relay's undeliverable rows)."""
     threads: Executor | None = None
     """Where plain ``def`` handlers run (None: the event loop's default executor)."""
     limits: PoolLimits | None = None
