@@ -1,9 +1,10 @@
 """Waystation: a broker-driven, event-sourced worker pool for agents that call other agents.
 
 The public API: an :class:`App` of agents whose handlers :class:`Complete` or :class:`Pause` on
-:class:`Call` s to other agents, the :class:`Worker` that serves them, and the :class:`Client`
-that submits tasks. The log is ``waystation.events``, its read models ``waystation.projections``,
-the schema's migrations ``waystation.migrations``; the command line is ``waystation.cli``.
+:class:`Call` s to other agents (each run wrapped by the app's :class:`Interceptor` s, if any),
+the :class:`Worker` that serves them, and the :class:`Client` that submits tasks. The log is
+``waystation.events``, its read models ``waystation.projections``, the schema's migrations
+``waystation.migrations``; the command line is ``waystation.cli``.
 
 Importing this package loads no broker or database driver: :class:`Client` and :class:`Worker`
 (and with them aio-pika, SQLAlchemy and asyncpg) load when first named.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from waystation.agent import AgentSpec, App, Handler, TaskContext
+from waystation.agent import AgentSpec, App, Handler, Interceptor, TaskContext
 from waystation.events import Call, CallResult, Complete, Outcome, Pause
 from waystation.policies import Backoff, Permanent, PolicyError, Rate, TimeLimitExceeded
 from waystation.settings import Settings
@@ -45,6 +46,7 @@ __all__ = [
     "Client",
     "Complete",
     "Handler",
+    "Interceptor",
     "Outcome",
     "Pause",
     "Permanent",

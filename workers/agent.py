@@ -25,6 +25,10 @@ On a resume the handler gets its state back exactly as it was saved and the resu
 it is resuming from, in call order. A handler may pause any number of times; ``task.pause`` says
 which pause it is resuming from (0 on the first run). Handlers never ack or publish anything
 themselves: the runtime records the outcome first and settles the message after.
+
+An :class:`Interceptor` wraps every run of every handler of an app (``App(interceptors=[...])``):
+what it returns or raises is what the run returned or raised. It sees the task, never the
+message, the log or the settlement.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel
 
@@ -47,7 +51,15 @@ from waystation.policies import (
     check_time_limit,
 )
 
-__all__ = ["AgentSpec", "App", "BlockingHandler", "Handler", "TaskContext"]
+__all__ = [
+    "AgentSpec",
+    "App",
+    "BlockingHandler",
+    "CallNext",
+    "Handler",
+    "Interceptor",
+    "TaskContext",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +88,30 @@ Handler = Callable[[TaskContext], Awaitable[Outcome]]
 BlockingHandler = Callable[[TaskContext], Outcome]
 """A plain ``def`` handler: run in the worker's thread pool."""
 AnyHandler = TypeVar("AnyHandler", bound=Callable[[TaskContext], Any])
+CallNext = Callable[[TaskContext], Awaitable[Outcome]]
+"""The rest of the chain: the interceptors after this one, then the handler."""
+
+
+class Interceptor(Protocol):
+    """Wraps every run of a handler: a first run, a retry, a resumed run (by message or in place).
+
+    ``run`` gets the task and ``call_next``, the rest of the chain (the next interceptor, finally
+    the handler); it may observe, time, add log context or a span, change the context it passes
+    on, translate an exception, or return an outcome without calling ``call_next`` (the handler
+    then does not run). What it returns or raises is taken as the handler's own: a raise is a
+    failed attempt under the agent's ``retries`` and ``backoff`` (``Permanent``: no retry), a
+    returned value must be a ``Complete`` or ``Pause`` that fits the agent's result model, and
+    the agent's ``time_limit`` bounds the whole chain. It runs on the event loop, also around a
+    plain ``def`` handler's thread, inside the run's span and after its pool slots are taken.
+    It never sees the message, the log or the settlement: the outcome is recorded, then the
+    message settled, after the chain returns (G1).
+
+    Declared on the app, ``App(interceptors=[...])`` (a ``Worker`` may add its own after them);
+    the first listed is the outermost. Subclassing is optional: any object with such a ``run``
+    coroutine method is one."""
+
+    async def run(self, task: TaskContext, call_next: CallNext) -> Outcome:
+        return await call_next(task)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +164,9 @@ class AgentSpec:
 class App:
     """A registry of agents; a worker serves every agent of its app."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, interceptors: Sequence[Interceptor] = ()) -> None:
         self._agents: dict[str, AgentSpec] = {}
+        self._interceptors = checked_interceptors(interceptors)
 
     def agent(
         self,
@@ -190,6 +227,26 @@ class App:
 
     def __getitem__(self, name: str) -> AgentSpec:
         return self._agents[name]
+
+    @property
+    def interceptors(self) -> tuple[Interceptor, ...]:
+        """What wraps every run of the app's handlers, outermost first."""
+        return self._interceptors
+
+
+def checked_interceptors(interceptors: Sequence[Interceptor]) -> tuple[Interceptor, ...]:
+    """``interceptors`` as a tuple, each checked to have an ``async def run`` (a ``TypeError``
+    at import time, not at the first run)."""
+    if isinstance(interceptors, (str, bytes)) or not isinstance(interceptors, Sequence):
+        raise TypeError(f"interceptors= takes a list of interceptors, not {interceptors!r}")
+    for interceptor in interceptors:
+        if isinstance(interceptor, type):
+            raise TypeError(f"interceptors= takes instances, not the class {interceptor.__name__}")
+        if not inspect.iscoroutinefunction(getattr(interceptor, "run", None)):
+            raise TypeError(
+                f"an interceptor has a coroutine method run(task, call_next): {interceptor!r}"
+            )
+    return tuple(interceptors)
 
 
 def _is_async(handler: Callable[..., Any]) -> bool:

@@ -1,5 +1,5 @@
-"""The public test kit, ``waystation.testing.InMemoryPool``: the example in docs/agents.md runs as
-written, and the kit's client, ``join`` and errors behave as documented."""
+"""The public test kit, ``waystation.testing.InMemoryPool``: the examples in docs/agents.md that use
+it run as written, and the kit's client, ``join`` and errors behave as documented."""
 
 from __future__ import annotations
 
@@ -17,15 +17,23 @@ from waystation.testing import InMemoryPool
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "agents.md"
 
 
-def _the_docs_example() -> str:
+def _the_docs_examples() -> list[str]:
     blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.S)
-    (example,) = [b for b in blocks if "from waystation.testing import InMemoryPool" in b]
-    return example
+    return [b for b in blocks if "from waystation.testing import InMemoryPool" in b]
 
 
-async def test_the_docs_example_runs_as_written() -> None:
+def test_the_docs_have_their_examples_of_the_kit() -> None:
+    """The test kit's own example, and the interceptors' (a block that stopped importing the kit
+    would silently stop being run)."""
+    examples = _the_docs_examples()
+    assert len(examples) == 2
+    assert "class Timing(Interceptor)" in examples[1]
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["test-kit", "interceptors"])
+async def test_the_docs_example_runs_as_written(index: int) -> None:
     namespace: dict[str, Any] = {}
-    exec(compile(_the_docs_example(), str(DOCS), "exec"), namespace)
+    exec(compile(_the_docs_examples()[index], str(DOCS), "exec"), namespace)
     tests = [f for name, f in namespace.items() if name.startswith("test_")]
     assert tests, "the example defines no test"
     for test in tests:

@@ -138,3 +138,23 @@ def test_a_plain_handler_runs_in_the_pool_and_its_models_come_out_as_json() -> N
         assert logged_as == [{"task_id": "t-1"}], "the run logs with its task's context"
 
     asyncio.run(scenario())
+
+
+async def test_without_interceptors_the_handler_is_called_as_it_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No interceptor declared: a run goes straight to the handler, never through the chain."""
+
+    async def no_chain(*_: Any) -> Any:
+        raise AssertionError("a run without interceptors went through the chain")
+
+    monkeypatch.setattr(Steps, "_intercepted", no_chain)
+    app = App()
+
+    @app.agent("echo")
+    async def echo(task: TaskContext) -> Outcome:
+        return Complete(task.input)
+
+    runner = flows()
+    assert runner.interceptors == ()
+    assert await runner.run_handler(app["echo"], context("hi")) == Complete("hi")

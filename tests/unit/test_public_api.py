@@ -72,6 +72,7 @@ WORKERS_API = [
     "Client",
     "Complete",
     "Handler",
+    "Interceptor",
     "Outcome",
     "Pause",
     "Permanent",

@@ -27,11 +27,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from waystation.agent import AgentSpec, App
+from waystation.agent import AgentSpec, App, Interceptor, checked_interceptors
 from waystation.brokers.amqp.topology import amqp_user_of
 from waystation.brokers.port import Broker, BrokerError, BrokerUnavailable, Delivery
 from waystation.events import EventStore, OutboxMessage, StoreUnavailable, parse_subtask_id
@@ -82,7 +82,8 @@ class Worker:
     ``observer``, what the pipeline reports its counters and timings to (by default one on
     ``metrics``). ``tracer_provider`` is the application's OpenTelemetry provider for the spans
     of its tasks; by default the global one the application set, if any
-    (``waystation.observability.tracing.provider``).
+    (``waystation.observability.tracing.provider``). ``interceptors`` wrap every handler run
+    after the app's own (``App(interceptors=...)``, ``waystation.agent.Interceptor``).
     """
 
     def __init__(
@@ -98,6 +99,7 @@ class Worker:
         faults: FaultPlan | None = None,
         clock: Callable[[], float] = time.time,
         tracer_provider: TracerProvider | None = None,
+        interceptors: Sequence[Interceptor] = (),
     ) -> None:
         self.app = app
         self.tracer_provider = tracer_provider
@@ -165,6 +167,7 @@ class Worker:
             self.publishing,
             self.threads,
             self.limits,
+            app.interceptors + checked_interceptors(interceptors),
         )
         self.sweeper = DeadlineSweeper(
             store,

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from waystation.agent import AgentSpec, App, TaskContext
+from waystation.agent import AgentSpec, App, CallNext, Interceptor, TaskContext
 from waystation.brokers.port import Broker, Delivery
 from waystation.events import (
     Complete,
@@ -126,6 +126,11 @@ def _as_json(spec: AgentSpec, outcome: Outcome) -> Outcome:
     return outcome
 
 
+def _through(interceptor: Interceptor, call_next: CallNext, task: TaskContext) -> Any:
+    """One link of the interceptors' chain (``Steps._intercepted``)."""
+    return interceptor.run(task, call_next)
+
+
 def resume_context(spec: AgentSpec, state: TaskState) -> TaskContext:
     """What the handler of a resumed task sees: its input, saved state and the pause's results."""
     return TaskContext(
@@ -163,6 +168,8 @@ class Steps:
     """Where plain ``def`` handlers run (None: the event loop's default executor)."""
     limits: PoolLimits | None = None
     """The pool's limits, when an agent of the app declares one (``waystation.runtime.limits``)."""
+    interceptors: tuple[Interceptor, ...] = ()
+    """What wraps every handler run, outermost first (the app's, then the worker's own)."""
 
     def default_timeout(self, spec: AgentSpec) -> float:
         return spec.default_timeout or self.settings.default_call_timeout
@@ -196,6 +203,18 @@ class Steps:
             return await self._run_in_thread(spec, context)
         return await spec.handler(context)  # type: ignore[misc]
 
+    async def _intercepted(self, spec: AgentSpec, context: TaskContext) -> Any:
+        """One run of the handler through the interceptors, the first outermost: each gets the
+        rest of the chain as its ``call_next``, and the last one's is ``_invoke``."""
+
+        async def handler(task: TaskContext) -> Any:
+            return await self._invoke(spec, task)
+
+        call: CallNext = handler
+        for interceptor in reversed(self.interceptors):
+            call = functools.partial(_through, interceptor, call)
+        return await call(context)
+
     async def admit(self, spec: AgentSpec, delivery: Delivery, task_id: str) -> Admission | Verdict:
         """The slots of a run of ``task_id`` when its agent has pool limits
         (``waystation.runtime.limits``); when one is full, what becomes of ``delivery`` instead: it
@@ -220,15 +239,18 @@ class Steps:
         self, spec: AgentSpec, context: TaskContext, admission: Admission = UNLIMITED
     ) -> Outcome:
         """One run of ``spec``'s handler within its time limit; the slots of ``admission`` are
-        given back when it ends, however it ends."""
+        given back when it ends, however it ends. The interceptors, if any, wrap the run inside
+        its span and its time limit; what they return or raise is the run's."""
+        # without interceptors the handler is called as it is, nothing added to the run
+        invoke = self._intercepted if self.interceptors else self._invoke
         try:
             with tracing.run(context.task_id, spec.name, context.pause, context.trace_id):
                 if spec.time_limit is None:
-                    outcome = await self._invoke(spec, context)
+                    outcome = await invoke(spec, context)
                 else:
                     try:
                         async with asyncio.timeout(spec.time_limit) as limit:
-                            outcome = await self._invoke(spec, context)
+                            outcome = await invoke(spec, context)
                     except TimeoutError:
                         if not limit.expired():
                             raise  # the handler's own timeout, not its time limit
