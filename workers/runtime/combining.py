@@ -14,16 +14,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from waystation.events import RecordedEvent, TaskState, VersionConflict, fold
+from waystation.events import NewEvent, RecordedEvent, TaskState, VersionConflict, fold
 from waystation.events.chain import recorded_events
 from waystation.runtime.decisions import (
     Applied,
     Cause,
     Decide,
-    Extend,
     Extension,
     Key,
     Part,
+    RunResumed,
     resumes,
 )
 
@@ -52,7 +52,7 @@ class _Waiting:
     decide: Decide
     key: Key
     cause: Cause
-    extend: Extend | None
+    run_resumed: RunResumed | None
     applied: Applied | None = None
     """Set by the worker's task that recorded it with others."""
     context: contextvars.Context = field(default_factory=contextvars.copy_context)
@@ -127,13 +127,13 @@ class Combiner:
         key: Key,
         cause: Cause,
         step: str,
-        extend: Extend | None,
+        run_resumed: RunResumed | None,
         gather: Callable[[TaskState], int] | None,
     ) -> Applied:
         """``Recorder.append_decision`` with ``combine``: wait for the stream's lock with
         the others (and for the rest of those expected, with ``gather``), then record them
         together, or alone when they cannot be."""
-        mine = _Waiting(decide, key, cause, extend)
+        mine = _Waiting(decide, key, cause, run_resumed)
         waiting = self._waiting.setdefault(task_id, [])
         waiting.append(mine)
         try:
@@ -148,7 +148,7 @@ class Combiner:
                     return mine.applied
                 # alone: nothing else waited, or they could not all be recorded together
                 return await self.recorder._decide_alone(
-                    task_id, decide, key, cause, step, None, extend
+                    task_id, decide, key, cause, step, None, run_resumed
                 )
         finally:
             if mine in waiting:
@@ -259,7 +259,7 @@ class Combiner:
         keys: set[str] = set()
         for waiting in batch:
             events = waiting.decide(state)
-            resuming = waiting.extend is not None and resumes(events)
+            resuming = waiting.run_resumed is not None and resumes(events)
             if from_cache and (not events or resuming):
                 # the rules of deciding alone: only the log can say the copy is current; when
                 # it is, the decisions taken on it so far stand
@@ -275,11 +275,14 @@ class Combiner:
                 return _KeyShared()
             keys.add(causation)
             extension = None
+            made: list[NewEvent] = []
             if resuming:
-                assert waiting.extend is not None
-                # in its own delivery's context: the run is a child of that delivery's trace
+                assert waiting.run_resumed is not None
+                # the run step, in its own delivery's context: the run is a child of that
+                # delivery's trace
+                made = self.recorder.new_events(state, events, causation, waiting.cause)
                 extension = await asyncio.create_task(
-                    waiting.extend(state, events, causation), context=waiting.context
+                    waiting.run_resumed(state, events, made), context=waiting.context
                 )
                 if extension is not None:
                     events = extension.events
@@ -291,7 +294,7 @@ class Combiner:
                 resume_attempts=extension.failed_runs if extension else 0,
                 resume_delay=extension.retry_delay if extension else 0.0,
                 context=waiting.context,
-                made=extension.made if extension else (),
+                made=made,
             )
             parts.append((waiting, part, extension))
             if resuming:

@@ -1,6 +1,6 @@
 """What a recorded decision is made of, shared by the recorder (a decision alone) and the
-combiner (decisions together): its cause, what it applied, how a resumed run extends it, and a
-decision made ready to append."""
+combiner (decisions together): its cause, what it applied, the run step of a decision that
+resumes its task, and a decision made ready to append."""
 
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ __all__ = [
     "Applied",
     "Cause",
     "Decide",
-    "Extend",
     "Extension",
     "Key",
     "Part",
+    "RunResumed",
     "UnreadableStream",
     "resumes",
 ]
@@ -62,8 +62,9 @@ class Applied:
 
 @dataclass(frozen=True, slots=True)
 class Extension:
-    """What an ``extend`` hook adds to a decision: the events to append instead, with when the
-    handler that produced them returned a pause and when the resume was decided."""
+    """What the run step of a decision that resumes its task (:data:`RunResumed`) appends instead
+    of the decision's events, with when the handler that produced them returned a pause and when
+    the resume was decided."""
 
     events: list[DomainEvent]
     checkpoint_started: float | None
@@ -72,14 +73,17 @@ class Extension:
     failed_runs: int = 0
     retry_delay: float = 0.0
     """With ``failed_runs``: the agent's backoff, which the resume message waits in the broker."""
-    made: Sequence[NewEvent] = ()
-    """The first of ``events`` as already made ready to append (:meth:`Recorder.new_events`,
-    under the decision's causation key), given again instead of made anew: chained once."""
 
 
-Extend = Callable[[TaskState, list[DomainEvent], str], Coroutine[Any, Any, Extension | None]]
-"""``extend(state, events, causation_key)``: what to append instead of a decision's ``events``
-on ``state``, recorded under ``causation_key`` (None: the decision as it is)."""
+RunResumed = Callable[
+    [TaskState, list[DomainEvent], list[NewEvent]], Coroutine[Any, Any, Extension | None]
+]
+"""The run step of a decision that resumes its task, between deciding and appending, under the
+stream's lock: ``run(state, events, made)`` gets the state decided on, the decision's events, and
+the same events made ready to append (their ids and metadata, so that the run folds exactly what
+will be recorded); it returns what to append instead (the resumed run's outcome joined to the
+decision), or None (the decision as it is: a resume message, which any instance takes). It runs
+again with every re-decision (a conflict)."""
 Decide = Callable[[TaskState], list[DomainEvent]]
 Key = Callable[[list[DomainEvent]], str]
 

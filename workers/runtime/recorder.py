@@ -49,10 +49,10 @@ from waystation.runtime.decisions import (
     Applied,
     Cause,
     Decide,
-    Extend,
     Extension,
     Key,
     Part,
+    RunResumed,
     UnreadableStream,
     resumes,
 )
@@ -67,6 +67,7 @@ __all__ = [
     "Cause",
     "Extension",
     "Recorder",
+    "RunResumed",
     "StreamCache",
     "StreamLocks",
     "UnreadableStream",
@@ -195,7 +196,7 @@ class Recorder:
         cause: Cause,
         step: str,
         describe_new: Callable[[TaskState], TaskState] | None = None,
-        extend: Extend | None = None,
+        run_resumed: RunResumed | None = None,
         combine: bool = False,
         gather: Callable[[TaskState], int] | None = None,
     ) -> Applied:
@@ -208,8 +209,9 @@ class Recorder:
         it is recorded already (a redelivered ignored reply, a progress report seen twice), and
         committing it again would only find them again, forever.
 
-        ``extend`` may add to a decision before it is appended (the resumed run's outcome, see
-        ``waystation.runtime.flows.reply``); it runs again with every re-decision.
+        ``run_resumed``: the run step of a decision that resumes the task, between deciding and
+        appending (:data:`RunResumed`: the run resumed in place, whose outcome joins the
+        append, ``waystation.runtime.flows.in_place``); it runs again with every re-decision.
 
         ``combine``: decisions on one stream that wait for its lock meanwhile (a parent's replies
         arriving together) are recorded by whichever of them takes the lock first, in one
@@ -226,9 +228,9 @@ class Recorder:
         if not combine or describe_new is not None:
             async with self.locks.hold(task_id):
                 return await self._decide_alone(
-                    task_id, decide, key, cause, step, describe_new, extend
+                    task_id, decide, key, cause, step, describe_new, run_resumed
                 )
-        return await self.combiner.record(task_id, decide, key, cause, step, extend, gather)
+        return await self.combiner.record(task_id, decide, key, cause, step, run_resumed, gather)
 
     async def _decide_alone(
         self,
@@ -238,7 +240,7 @@ class Recorder:
         cause: Cause,
         step: str,
         describe_new: Callable[[TaskState], TaskState] | None,
-        extend: Extend | None,
+        run_resumed: RunResumed | None,
     ) -> Applied:
         """:meth:`append_decision` for one decision, under its stream's lock."""
         found: str | None = None
@@ -254,7 +256,8 @@ class Recorder:
             )
             cached, known, read = False, history, None
             events = decide(state)
-            if from_cache and (not events or (extend is not None and resumes(events))):
+            resuming = run_resumed is not None and resumes(events)
+            if from_cache and (not events or resuming):
                 # nothing to do, says a copy that may be stale (a timeout on a pause this
                 # worker has not seen), or a handler is about to run on this decision, never
                 # on a copy that may be stale (the task may have been cancelled or timed out
@@ -268,7 +271,9 @@ class Recorder:
             causation = key(events)
             if causation == found:
                 return Applied(state, [])
-            extension = await extend(state, events, causation) if extend else None
+            # the run step: a handler runs on the decision, and its outcome joins the append
+            made = self.new_events(state, events, causation, cause) if resuming else []
+            extension = await run_resumed(state, events, made) if run_resumed and resuming else None
             if extension is not None:
                 events = extension.events
             described = state if state.exists or describe_new is None else describe_new(state)
@@ -282,7 +287,7 @@ class Recorder:
                     resume_attempts=extension.failed_runs if extension else 0,
                     resume_delay=extension.retry_delay if extension else 0.0,
                     history=history,
-                    made=extension.made if extension and described is state else (),
+                    made=made if described is state else (),
                 )
             except VersionConflict:
                 self.observer.version_conflict()

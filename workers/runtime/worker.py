@@ -2,12 +2,13 @@
 
 Every delivery goes through the same four steps (docs/internals.md): **decide** (pure, in
 ``waystation.events.task``), **append** (one statement: the events and the outbox rows they imply,
-see ``waystation.runtime.recorder``), **publish** (the implied messages,
-``waystation.runtime.outbox``), then **settle** (``waystation.runtime.settle``, the one place that
-acks, requeues or dead-letters, and only after the outcome is durable: G1). What each message kind
-does is its flow (``waystation.runtime.flows``). Peer requests exist only as outbox rows of a
-committed pause until they are published, so no reply can overtake its checkpoint (G5); a worker
-that dies after the commit leaves the rows to the relay of any other worker (G4).
+see ``waystation.runtime.recorder``), **publish** (what the appends committed, once the flow
+returns: ``waystation.runtime.publishing``), then **settle** (``waystation.runtime.settle``, the
+one place that acks, requeues or dead-letters, and only after the outcome is durable: G1). What
+each message kind does is its flow (``waystation.runtime.flows``). Peer requests exist only as
+outbox rows of a committed pause until they are published, so no reply can overtake its
+checkpoint (G5); a worker that dies after the commit leaves the rows to the relay of any other
+worker (G4).
 
 Every worker also sweeps calls past their deadline (G6, ``waystation.runtime.sweeper``) and relays
 unpublished outbox rows. A message that cannot be used is dead-lettered with its reason (G9,
@@ -17,8 +18,8 @@ takes its slots, and its task waits in the broker while they are full
 (``waystation.runtime.limits``).
 
 Why one module of some 430 lines: it is the worker's lifecycle and its delivery loop (start,
-consume, inspect, dispatch, settle, stop), which a reader follows in one place; every step it calls
-lives in its own module.
+consume, inspect, dispatch, publish, settle, stop), which a reader follows in one place; every
+step it calls lives in its own module.
 """
 
 from __future__ import annotations

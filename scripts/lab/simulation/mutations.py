@@ -325,8 +325,7 @@ async def _resume_in_place_handing_every_failure_over(
     steps: waystation.runtime.flows.base.Steps,
     state: TaskState,
     events: list[DomainEvent],
-    cause: Cause,
-    causation_key: str,
+    made: list[Any],
 ) -> waystation.runtime.recorder.Extension | None:
     """Issue 28 e: a resumed run in place, before it followed its agent's policy. Anything it
     raised but an invalid outcome was handed over to a resume message, to run again, whatever
@@ -337,10 +336,9 @@ async def _resume_in_place_handing_every_failure_over(
     if spec is None or spec.limited:
         return None
     decided_at = steps.clock()
-    own = steps.recorder.new_events(state, events, causation_key, cause)
     resumed = fold(
         state.task_id,
-        recorded_events(state.task_id, state.version, own, state.last_hash),
+        recorded_events(state.task_id, state.version, made, state.last_hash),
         start=state,
     )
     try:
@@ -349,14 +347,14 @@ async def _resume_in_place_handing_every_failure_over(
     except InvalidTransition as error:
         failed = [*events, *decide_failure(resumed, error_of(error))]
         return waystation.runtime.recorder.Extension(
-            failed, checkpoint_started=None, resumed_at=decided_at, made=own
+            failed, checkpoint_started=None, resumed_at=decided_at
         )
     except Exception:
         return waystation.runtime.recorder.Extension(
-            events, checkpoint_started=None, resumed_at=None, failed_runs=1, made=own
+            events, checkpoint_started=None, resumed_at=None, failed_runs=1
         )
     return waystation.runtime.recorder.Extension(
-        [*events, *following], checkpoint_started=None, resumed_at=decided_at, made=own
+        [*events, *following], checkpoint_started=None, resumed_at=decided_at
     )
 
 
@@ -454,7 +452,7 @@ MUTATIONS: dict[str, list[Patch]] = {
     "e-resume-in-place-ignores-the-policy": [
         (
             waystation.runtime.flows.reply,
-            "_resume_in_place",
+            "run_in_place",
             _resume_in_place_handing_every_failure_over,
         ),
     ],

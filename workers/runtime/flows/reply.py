@@ -11,39 +11,33 @@ reply routing brings them to one worker) are recorded in one append
 ``WAYSTATION_REPLY_GATHER_MS`` for the rest of the pause's outstanding calls (``gather``).
 
 The worker that records the last reply runs the resumed handler at once, in place, and appends
-its outcome in the same statement (docs/performance.md): no resume message, no second read. The
-reply stays unacked until that append commits, so a crash redelivers it and the whole step runs
-again.
+its outcome in the same statement (:mod:`.in_place`, the decision's run step): no resume message,
+no second read. The reply stays unacked until that append commits, so a crash redelivers it and
+the whole step runs again.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import time
 import uuid
 from typing import Any, Literal
 
 from waystation.brokers.port import Delivery
 from waystation.events import (
     DomainEvent,
-    InvalidTransition,
-    Pause,
     ReplyIgnored,
     SubtaskClaimed,
-    TaskResumed,
     TaskState,
-    decide_failure,
     decide_reply,
-    fold,
     parse_subtask_id,
 )
-from waystation.events.chain import recorded_events
 from waystation.events.task import MAX_IGNORED_REPLIES, over_ignored_limit
-from waystation.policies import Permanent
 from waystation.protocol.intake import Rejection
 from waystation.protocol.wire import ResultEnvelope
-from waystation.runtime.flows.base import Steps, error_of, resume_context
-from waystation.runtime.recorder import Applied, Cause, Extension
+from waystation.runtime.flows.base import Steps
+from waystation.runtime.flows.in_place import run_in_place
+from waystation.runtime.recorder import Applied, Cause
 from waystation.runtime.verdicts import Verdict, ack, dead
 
 __all__ = ["handle_reply", "handle_unstorable_reply", "subtask_of"]
@@ -131,20 +125,13 @@ async def _record(
             return f"reply:{subtask}"
         return f"ignored:{subtask}:{delivery.message_id or uuid.uuid4()}"
 
-    cause = Cause.of(delivery)
-
-    async def resume_here(
-        state: TaskState, events: list[DomainEvent], causation_key: str
-    ) -> Extension | None:
-        return await _resume_in_place(steps, state, events, cause, causation_key)
-
     applied = await steps.recorder.append_decision(
         task_id,
         decide,
         key=key,
-        cause=cause,
+        cause=Cause.of(delivery),
         step="reply",
-        extend=resume_here,
+        run_resumed=functools.partial(run_in_place, steps),
         combine=True,
         gather=lambda state: len(state.outstanding),
     )
@@ -152,84 +139,3 @@ async def _record(
         log.info("reply for %s not applied: %s", subtask, applied.events[0].reason)
         steps.observer.count("replies_ignored")
     return applied
-
-
-async def _resume_in_place(
-    steps: Steps,
-    state: TaskState,
-    events: list[DomainEvent],
-    cause: Cause,
-    causation_key: str,
-) -> Extension | None:
-    """Run the resumed handler now, on the instance that records the pause's last reply, so
-    that its outcome joins the same append.
-
-    None leaves the decision as it was (``TaskResumed`` and a resume message, which any instance
-    serving the agent takes): when resuming in place is off, when this worker does not serve
-    the task's agent, or when the agent has pool limits (its resumed run must take its slots,
-    and wait in the broker when they are full, as every run of it does:
-    ``waystation.runtime.limits``). A run that fails is judged by the agent's policy, as any run is:
-    an error that trying again cannot help (``Permanent``, an outcome that can never be recorded),
-    or an agent that allows no retry, fails the task in this same append; otherwise the decision
-    stays, and its resume message counts that failed run and waits the agent's first backoff in the
-    broker, so that the retries and the final failure follow the resume path within the agent's
-    attempts.
-    """
-    if not (steps.settings.resume_in_place and events and isinstance(events[-1], TaskResumed)):
-        return None
-    spec = steps.app.agents.get(state.agent or "")
-    if spec is None or spec.limited:
-        return None
-    decided_at = steps.clock()
-    # made as they will be appended (the decision's ids and metadata): chained once, here
-    own = steps.recorder.new_events(state, events, causation_key, cause)
-    resumed = fold(
-        state.task_id,
-        recorded_events(state.task_id, state.version, own, state.last_hash),
-        start=state,
-    )
-    try:
-        outcome = await steps.run_handler(spec, resume_context(spec, resumed))
-        returned_at = time.perf_counter()
-        steps.faults.hit("resume.in-place")
-        following = steps.decide_outcome(resumed, outcome, spec)
-    except Exception as error:
-        # the first run of this step: the agent's policy decides, as for any other run
-        attempts = spec.attempts(steps.settings.delivery_limit)
-        if isinstance(error, (InvalidTransition, Permanent)) or attempts <= 1:
-            # trying again cannot help, or the agent allows no retry: fail now, in this append
-            log.error(
-                "task %s failed for good: its run resumed in place raised %s",
-                state.task_id,
-                error_of(error),
-            )
-            return Extension(
-                [*events, *decide_failure(resumed, error_of(error))],
-                checkpoint_started=None,
-                resumed_at=decided_at,
-                made=own,
-            )
-        delay = spec.backoff.delay(1)
-        log.warning(
-            "task %s: the resumed handler raised %s (attempt 1 of %d); a resume message "
-            "retries it in %.2fs",
-            state.task_id,
-            error_of(error),
-            attempts,
-            delay,
-        )
-        steps.observer.count("resumes_handed_over")
-        return Extension(
-            events,
-            checkpoint_started=None,
-            resumed_at=None,
-            failed_runs=1,
-            retry_delay=delay,
-            made=own,
-        )
-    return Extension(
-        [*events, *following],
-        checkpoint_started=returned_at if isinstance(outcome, Pause) else None,
-        resumed_at=decided_at,
-        made=own,
-    )
