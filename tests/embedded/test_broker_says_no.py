@@ -88,7 +88,7 @@ def answers_in(w: World, queue: str) -> list[bytes]:
 
 
 async def test_a_refused_result_is_retried_with_backoff_while_everything_else_goes_on() -> None:
-    """Defect a: a refused row stopped its worker's relay for good. The refused result is now
+    """A refused row used to stop its worker's relay for good. The refused result is now
     tried again with backoff, other tasks complete meanwhile, and it arrives once there is
     room."""
     runs: Counter[str] = Counter()
@@ -131,8 +131,8 @@ async def test_a_result_refused_for_too_long_is_dead_lettered_as_refused() -> No
 
 
 async def test_a_task_without_peers_whose_answer_is_refused_runs_once_and_is_recorded() -> None:
-    """Defect a, the direct path: the refusal requeued the task and its handler ran again. Now
-    the completion is recorded (G10 gives way), and its result goes through the outbox."""
+    """The direct path: a refused answer used to requeue the task, and its handler ran again.
+    Now the completion is recorded (G10 gives way), and its result goes through the outbox."""
     runs: Counter[str] = Counter()
     async with world(app_of(runs)) as w:
         full_queue(w)
@@ -150,9 +150,9 @@ async def test_a_task_without_peers_whose_answer_is_refused_runs_once_and_is_rec
 
 
 async def test_a_relay_never_stalls_on_a_row_the_broker_refuses() -> None:
-    """Defect a, the relay alone: rows claimed after a refused one (here: appended while it
-    waits) are published, and the refused one is tried again with backoff, its refusals
-    counted, until it is undeliverable."""
+    """The relay alone, which used to retry a refused row and nothing else: rows claimed after
+    a refused one (here: appended while it waits) are published, and the refused one is tried
+    again with backoff, its refusals counted, until it is undeliverable."""
     broker = InMemoryBroker()
     names = Names("relay.")
     connection = broker.connection("relay")
@@ -210,7 +210,7 @@ async def test_a_relay_never_stalls_on_a_row_the_broker_refuses() -> None:
 
 
 async def test_a_message_that_cannot_be_encoded_never_holds_up_its_batch() -> None:
-    """Defect b: one unencodable message made the batch's publish raise after the rest had gone
+    """One unencodable message used to make the batch's publish raise after the rest had gone
     out; every lease then published the rest again. Now each message's outcome is its own."""
     broker = InMemoryBroker(keep_ledger=True)
     names = Names("batch.")
@@ -242,7 +242,8 @@ async def test_a_task_id_too_long_for_what_is_derived_from_it_is_refused_at_inta
 
 
 async def test_a_call_tree_too_deep_for_its_ids_fails_its_deepest_pause_and_answers() -> None:
-    """Defect b: deep call trees hit the short-string wall at about depth 53 and stalled."""
+    """Deep call trees used to hit the short-string wall (the 255 bytes of an AMQP property)
+    at about depth 53, and stalled."""
     async with world(app_of(Counter()), settings(reply_shards=0)) as w:
         await w.start_worker()
         task_id = await w.publish("deep", {"depth": 0})
@@ -259,7 +260,7 @@ async def test_a_call_tree_too_deep_for_its_ids_fails_its_deepest_pause_and_answ
 
 
 async def test_a_result_too_large_to_send_fails_its_task_at_once() -> None:
-    """Defect f: a result over the broker's limit re-ran its handler until the consumer
+    """A result over the broker's limit used to re-run its handler until the consumer
     timeout."""
     runs: Counter[str] = Counter()
     async with world(app_of(runs), settings(max_message_bytes=64 * 1024)) as w:
@@ -307,8 +308,8 @@ def _properties(message_id: bytes, headers: bytes) -> bytes:
 
 
 async def test_a_header_that_is_not_utf8_is_kept_in_its_copies() -> None:
-    """Defect c: the retry and dead-letter copies re-published a header pamqp cannot encode
-    (a long string that is not UTF-8, decoded as bytes): settling raised, and the delivery was
+    """The retry and dead-letter copies used to re-publish a header pamqp cannot encode (a
+    long string that is not UTF-8, decoded as bytes): settling raised, and the delivery was
     never settled. Now the copies carry it as a byte array."""
     runs: Counter[str] = Counter()
     async with world(app_of(runs)) as w:
@@ -326,8 +327,8 @@ async def test_a_header_that_is_not_utf8_is_kept_in_its_copies() -> None:
 
 
 async def test_metadata_that_cannot_be_decoded_is_dead_lettered_and_the_worker_goes_on() -> None:
-    """Defect d (the in-memory half; the AMQP one is in tests/integration): a message_id that
-    is not UTF-8 costs that message alone."""
+    """A message_id that is not UTF-8 costs that message alone (the in-memory half; the AMQP
+    one is in tests/integration)."""
     runs: Counter[str] = Counter()
     async with world(app_of(runs)) as w:
         await w.start_worker()
@@ -343,7 +344,7 @@ async def test_metadata_that_cannot_be_decoded_is_dead_lettered_and_the_worker_g
 
 
 async def test_events_after_a_retry_or_a_wait_keep_their_publishers_user() -> None:
-    """Defect i: the copies dropped ``user_id``, so what was recorded after a retry lost its
+    """The copies used to drop ``user_id``, so what was recorded after a retry lost its
     actor. (A copy names it in a header, believed only on a message the workers published.)"""
     app = App()
     tries: Counter[str] = Counter()
@@ -401,7 +402,7 @@ async def test_events_after_a_retry_or_a_wait_keep_their_publishers_user() -> No
 
 
 async def test_a_stream_records_a_bounded_number_of_ignored_replies() -> None:
-    """Issue 28 h: anyone who may publish to a reply queue could append ``ReplyIgnored`` to any
+    """Anyone who may publish to a reply queue used to be able to append ``ReplyIgnored`` to any
     task without end (and streams are read and folded whole). Past the bound, such replies are
     dead-lettered instead."""
     async with world(app_of(Counter()), settings(reply_shards=0)) as w:

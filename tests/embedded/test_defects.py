@@ -1,7 +1,7 @@
 """Defects of issue 11 (section 4) that the in-memory backends can steer exactly, each a case
-that failed before its fix: attempts under RabbitMQ 4.3's counting (i), a cancel landing before a
-task's first run (b), a stale stream cache running a handler late (e), an answer whose publisher
-is gone (f), and bounded checkpoint samples (j)."""
+that failed before its fix: attempts under RabbitMQ 4.3's counting, a cancel landing before a
+task's first run, a stale stream cache running a handler late, an answer whose publisher is
+gone, and bounded checkpoint samples."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ async def types_of(world: World, task_id: str) -> list[str]:
 async def test_attempts_are_counted_by_waystation_whatever_the_broker_counts(
     counting: str,
 ) -> None:
-    """Defect i: RabbitMQ 4.3 no longer counts a requeue in ``x-delivery-count``, so a handler
+    """RabbitMQ 4.3 no longer counts a requeue in ``x-delivery-count``, so a handler
     that always raises was retried forever. Retries now carry their own count."""
     runs: Counter[tuple[str, int]] = Counter()
     async with world(counting_app(runs), counting=counting) as w:
@@ -76,8 +76,8 @@ async def test_attempts_are_counted_by_waystation_whatever_the_broker_counts(
 
 
 async def test_a_redelivered_task_cancelled_before_it_was_recorded_tells_its_publisher() -> None:
-    """Defect b: a task cancelled before its first run was recorded, then redelivered (its first
-    holder died), was acked silently: its publisher never heard anything."""
+    """A task cancelled before its first run was recorded, then redelivered (its first holder
+    died), used to be acked silently: its publisher never heard anything."""
     runs: Counter[tuple[str, int]] = Counter()
     async with world(counting_app(runs)) as w:
         holder, held = await w.taken_by_a_holder(w.names.tasks("quick"))
@@ -95,8 +95,8 @@ async def test_a_redelivered_task_cancelled_before_it_was_recorded_tells_its_pub
 
 
 async def test_a_task_cancelled_before_it_ran_answers_cancelled_not_ok() -> None:
-    """Defect b: a task that completes without peers published ``ok`` after the canceller had
-    been told ``cancelled``."""
+    """A task that completes without peers used to publish ``ok`` after the canceller had been
+    told ``cancelled``."""
     runs: Counter[tuple[str, int]] = Counter()
     async with world(counting_app(runs)) as w:
         await w.start_worker()
@@ -112,8 +112,8 @@ async def test_a_task_cancelled_before_it_ran_answers_cancelled_not_ok() -> None
 
 
 async def test_a_stale_cached_stream_never_runs_a_handler_late() -> None:
-    """Defect e: a worker deciding from its own stale copy of a stream ran the resumed handler
-    of a task another worker had already cancelled (the append then failed, too late)."""
+    """A worker deciding from its own stale copy of a stream used to run the resumed handler of
+    a task another worker had already cancelled (the append then failed, too late)."""
     runs: Counter[tuple[str, int]] = Counter()
     async with world(counting_app(runs)) as w:
         w.broker.declare_queue(w.names.tasks("ghost"))
@@ -164,8 +164,8 @@ def _reply(w: World, subtask: str, body: object, message_id: str) -> OutboxMessa
 async def test_an_answer_whose_publisher_is_gone_is_kept_as_a_dead_letter_not_rerun(
     kind: str,
 ) -> None:
-    """Defect f: an answer to a reply queue that no longer exists (the mandatory publish is
-    returned) re-ran the handler until the delivery limit."""
+    """An answer to a reply queue that no longer exists (the mandatory publish is returned)
+    used to re-run the handler until the delivery limit."""
     runs: Counter[tuple[str, int]] = Counter()
     async with world(counting_app(runs)) as w:
         await w.start_worker()
@@ -189,7 +189,7 @@ async def test_an_answer_whose_publisher_is_gone_is_kept_as_a_dead_letter_not_re
 
 
 def test_the_checkpoint_samples_a_worker_keeps_are_bounded() -> None:
-    """Defect j: ``WorkerStats.checkpoint_seconds`` grew with every checkpoint, forever."""
+    """``WorkerStats.checkpoint_seconds`` used to grow with every checkpoint, forever."""
     stats = WorkerStats()
     for n in range(CHECKPOINT_SAMPLES + 10):
         stats.checkpoint_seconds.append(float(n))

@@ -1,6 +1,7 @@
 """A resumed run in place that fails follows the agent's own policy, as every other run does
-(issue 28 e): a ``Permanent`` error, or an agent with ``retries=0``, fails the task after that one
-run, and a run that may be retried waits its backoff in the broker before the next one."""
+(it used to be handed over to a resume message whatever the policy said): a ``Permanent`` error,
+or an agent with ``retries=0``, fails the task after that one run, and a run that may be retried
+waits its backoff in the broker before the next one."""
 
 from __future__ import annotations
 

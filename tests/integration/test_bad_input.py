@@ -147,8 +147,8 @@ BAD: dict[str, Bad] = {
         dumps({"extend_by": 5}),
         {"correlation_id": f"nobody-{uuid.uuid4()}:1:0", "type": "progress"},
     ),
-    # defect d: JSON that parses but that the log cannot store used to loop to the delivery
-    # limit, with no reason given and no answer to its publisher
+    # JSON that parses but that the log cannot store used to loop to the delivery limit, with
+    # no reason given and no answer to its publisher
     "task: NUL in the body": Bad(
         "tasks", "unstorable", b'{"n": 1, "note": "a\\u0000b"}', _task_props(), True
     ),
@@ -435,7 +435,7 @@ async def test_a_reply_the_log_cannot_store_fails_its_call_at_once_and_is_dead_l
     amqp_channel: AbstractChannel,
     extra_agents: list[str],
 ) -> None:
-    """Defect d: such a reply used to loop to the delivery limit, with no reason anywhere, and
+    """Such a reply used to loop to the delivery limit, with no reason anywhere, and
     its call then waited for its deadline to be recorded as a timeout. Now the call records an
     ``unstorable-reply`` error at once (the task goes on) and the reply is a dead letter."""
     extra_agents.extend(["boss", "ghost"])

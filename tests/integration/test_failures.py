@@ -198,8 +198,8 @@ async def test_a_handler_that_fails_twice_then_succeeds_completes_normally(
         ("returns-none", "returned NoneType, not Complete or Pause"),
         ("bad-state", "cannot be stored: a value of type object is not JSON"),
         ("endless-call", "must be a positive number"),
-        # defect a: outcomes the log cannot store used to fail inside the commit, taken for a
-        # transient error, and were retried until the broker dead-lettered them silently
+        # outcomes the log cannot store used to fail inside the commit, taken for a transient
+        # error, and were retried until the broker dead-lettered them silently
         ("nan-result", "the result cannot be stored: a number is NaN or infinite"),
         ("nul-result", "the result cannot be stored: a string holds a NUL character"),
         ("deep-call", "the input of call 0 cannot be stored: it nests deeper than 128 levels"),

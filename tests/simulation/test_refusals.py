@@ -1,7 +1,7 @@
 """The invariants of the broker saying no (``scripts.lab.simulation.refusals``) can fail:
 each is fed a real run's observation with one thing changed, as a defect would leave it, and
-says so; the unchanged runs pass. (The mutations ``a-relay-stalls-on-a-refusal``,
-``c-copies-unsanitized`` and ``e-resume-in-place-ignores-the-policy`` catch their defects in
+says so; the unchanged runs pass. (The mutations ``relay-stalls-on-a-refusal``,
+``copies-unsanitized`` and ``resume-in-place-ignores-the-policy`` catch their defects in
 whole runs.)"""
 
 from __future__ import annotations

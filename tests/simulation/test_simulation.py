@@ -32,7 +32,7 @@ from scripts.lab.simulation.world import run
 
 SEEDS = len(default_seeds())
 MUTATION_SEEDS = 6000
-"""Seeds a mutation may take to be caught (the slowest, k-sequential-sweeper, needs a slow
+"""Seeds a mutation may take to be caught (the slowest, sequential-sweeper, needs a slow
 handler run in place across another task's deadline on the same worker: ~1 seed in 1,000)."""
 
 
@@ -51,13 +51,13 @@ def test_every_invariant_holds_over_ten_thousand_seeds(request: pytest.FixtureRe
 
 def test_a_head_start_reports_the_failures_of_seeds_run_in_the_background_and_after() -> None:
     """(so that the test above, which takes the background's results, could fail)"""
-    head_start = HeadStart(range(30), chunk=5, mutation="a-unstorable-outcome")
+    head_start = HeadStart(range(30), chunk=5, mutation="unstorable-outcome")
     # wait until the background process ran some chunks itself, so that both halves count
     deadline = time.monotonic() + 300
     while head_start.done < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     failed = {failure.seed for failure in head_start.finish()}
-    expected = {s for s in range(30) if check(Scenario.generate(s), "a-unstorable-outcome")}
+    expected = {s for s in range(30) if check(Scenario.generate(s), "unstorable-outcome")}
     assert expected and min(expected) < 5 and max(expected) >= 10  # in both halves
     assert failed == expected
 

@@ -1,4 +1,5 @@
-"""A worker's copies of the streams it wrote last: bounded by count and by bytes (defect j)."""
+"""A worker's copies of the streams it wrote last: bounded by count and by bytes (they were
+bounded by count alone, whatever the size of each stream)."""
 
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ def test_a_copy_is_folded_once_whoever_asks(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_copies_taken_and_never_put_back_stay_within_the_bounds() -> None:
-    """Issue 28 h: the copies handed out were kept beside the bound, by count only (1,024 of
+    """The copies handed out used to be kept beside the bound, by count only (1,024 of
     any size). A decision taken elsewhere, or failed, never puts its copy back."""
     cache = StreamCache(streams=100, max_bytes=10_000)
     one = weight(stream(3, pad=1000))

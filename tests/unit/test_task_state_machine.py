@@ -824,7 +824,7 @@ UNSTORABLE = {
 def test_an_outcome_the_log_cannot_store_is_refused_before_anything_is_appended(
     value: Any, status: str, where: str
 ) -> None:
-    """Defect a: such an outcome used to fail inside the commit, as an error the worker took for
+    """Such an outcome used to fail inside the commit, as an error the worker took for
     transient, so it was retried to the delivery limit (or a resumed task stayed resumed)."""
     if status == "new":
         state, start = TaskState(task_id="t"), started("t")

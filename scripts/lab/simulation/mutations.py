@@ -67,7 +67,8 @@ Patch = tuple[Any, str, Any]
 
 
 def _old_attempt_of(delivery: Delivery) -> int:
-    """Before defect i was fixed: the broker's ``x-delivery-count`` alone."""
+    """Before the retry counter was Waystation's own: the broker's ``x-delivery-count`` alone
+    (RabbitMQ 4.3 no longer counts a requeue in it)."""
     count = delivery.headers.get("x-delivery-count", 0)
     return count + 1 if isinstance(count, int) and count >= 0 else 1
 
@@ -93,8 +94,8 @@ async def _no_retry_through_outages(
 
 
 async def _sequential_sweep(self: waystation.runtime.sweeper.DeadlineSweeper) -> None:
-    """The sweeper before defect k was fixed: one timeout after the other, each waiting for
-    its stream's lock."""
+    """The sweeper before each timeout was recorded in a task of its own: one timeout after the
+    other, each waiting for its stream's lock."""
     while True:
         try:
             expired = await self.store.claim_expired_calls(
@@ -114,7 +115,8 @@ async def _sequential_sweep(self: waystation.runtime.sweeper.DeadlineSweeper) ->
 async def _timeout_on_the_workers_clock(
     self: waystation.runtime.sweeper.DeadlineSweeper, call: ExpiredCall
 ) -> None:
-    """Before defect k was fixed: the timeout decided on the sweeping worker's own clock."""
+    """Before timeouts were decided on the database's clock: the timeout decided on the
+    sweeping worker's own clock."""
     await self.recorder.append_decision(
         call.task_id,
         lambda state: decide_timeout(state, call.subtask_id, now=self.clock()),
@@ -285,7 +287,7 @@ _background: set[asyncio.Task[None]] = set()
 
 
 async def _relay_keeping_its_unsent(self: waystation.runtime.outbox.OutboxPublisher) -> None:
-    """Issue 28 a: the relay before each row had a fate of its own. A row whose publish failed
+    """The relay before each row had a fate of its own. A row whose publish failed
     for any reason but "unroutable" stayed in the relay's unsent list, which it retried alone,
     never claiming another row, for as long as the broker said no."""
     unsent: list[Any] = []
@@ -316,7 +318,7 @@ async def _relay_keeping_its_unsent(self: waystation.runtime.outbox.OutboxPublis
 
 
 def _headers_as_they_came(headers: Any) -> dict[str, Any]:
-    """Issue 28 c: the copies of a delivery re-published its headers as decoded, which the
+    """The copies of a delivery re-publishing its headers as decoded, which the
     client library cannot always write again (a long string that was not UTF-8)."""
     return dict(headers)
 
@@ -327,7 +329,7 @@ async def _resume_in_place_handing_every_failure_over(
     events: list[DomainEvent],
     made: list[Any],
 ) -> waystation.runtime.recorder.Extension | None:
-    """Issue 28 e: a resumed run in place, before it followed its agent's policy. Anything it
+    """A resumed run in place, before it followed its agent's policy. Anything it
     raised but an invalid outcome was handed over to a resume message, to run again, whatever
     the policy said (a ``Permanent`` error, ``retries=0``), and without its backoff."""
     if not (steps.settings.resume_in_place and events and isinstance(events[-1], TaskResumed)):
@@ -359,44 +361,38 @@ async def _resume_in_place_handing_every_failure_over(
 
 
 MUTATIONS: dict[str, list[Patch]] = {
-    # a: an outcome the log cannot store reached the commit
-    "a-unstorable-outcome": [
-        (waystation.events.task, "_require_storable", lambda value, what: None)
-    ],
-    # b: a cancel before a task's first run was recorded left its publisher unanswered
-    "b-cancel-before-first-run": [
+    # an outcome the log cannot store reached the commit
+    "unstorable-outcome": [(waystation.events.task, "_require_storable", lambda value, what: None)],
+    # a cancel before a task's first run was recorded left its publisher unanswered
+    "cancel-before-first-run": [
         (waystation.runtime.flows.base.Steps, "answer_cancelled_before_start", _tell_nobody)
     ],
-    # e: a handler ran in place on a stale copy of its stream
-    "e-stale-cache": [
+    # a handler ran in place on a stale copy of its stream
+    "stale-cache": [
         (waystation.runtime.recorder, "resumes", lambda events: False),
         (waystation.runtime.combining, "resumes", lambda events: False),
     ],
-    # f: an answer to a queue that is gone failed the flow, which re-ran the handler
-    "f-unroutable-answer": [
-        (waystation.runtime.settle.Settler, "answer", _answer_by_plain_publish)
-    ],
-    # i: attempts counted by the broker's x-delivery-count, retries by requeueing
-    "i-broker-counting": [
+    # an answer to a queue that is gone failed the flow, which re-ran the handler
+    "unroutable-answer": [(waystation.runtime.settle.Settler, "answer", _answer_by_plain_publish)],
+    # attempts counted by the broker's x-delivery-count, retries by requeueing
+    "broker-counting": [
         (waystation.runtime.flows.base, "retry", _old_retry),
         (waystation.runtime.flows.base, "attempt_of", _old_attempt_of),
     ],
-    # k: an outage of the log re-ran the whole flow, its handler included
-    "k-outage-reruns-handler": [
+    # an outage of the log re-ran the whole flow, its handler included
+    "outage-reruns-handler": [
         (waystation.runtime.recorder.Recorder, "_through_outages", _no_retry_through_outages)
     ],
-    # k: a timeout decided on the worker's clock, which may be behind the database's
-    "k-worker-clock-timeouts": [
+    # a timeout decided on the worker's clock, which may be behind the database's
+    "worker-clock-timeouts": [
         (
             waystation.runtime.sweeper.DeadlineSweeper,
             "record_timeout",
             _timeout_on_the_workers_clock,
         )
     ],
-    # k: the sweeper waited on each stream's lock in turn
-    "k-sequential-sweeper": [
-        (waystation.runtime.sweeper.DeadlineSweeper, "run", _sequential_sweep)
-    ],
+    # the sweeper waited on each stream's lock in turn
+    "sequential-sweeper": [(waystation.runtime.sweeper.DeadlineSweeper, "run", _sequential_sweep)],
     # the world against the log ("When the broker says no", section 2):
     # G1: the reply flow acked its delivery, then appended
     "reply-acked-before-append": [
@@ -442,14 +438,14 @@ MUTATIONS: dict[str, list[Patch]] = {
     ],
     # G10 with G1: an answer published without waiting, after the ack
     "answer-after-ack": [(waystation.runtime.settle.Settler, "answer", _answer_without_waiting)],
-    # issue 28 a: one refused outbox row stopped its worker's relay
-    "a-relay-stalls-on-a-refusal": [
+    # issue 28: one refused outbox row stopped its worker's relay
+    "relay-stalls-on-a-refusal": [
         (waystation.runtime.outbox.OutboxPublisher, "relay", _relay_keeping_its_unsent)
     ],
-    # issue 28 c: the copies of a delivery re-published headers the client cannot write
-    "c-copies-unsanitized": [(waystation.runtime.settle, "sendable", _headers_as_they_came)],
-    # issue 28 e: a resumed run in place that raised Permanent ran again by resume message
-    "e-resume-in-place-ignores-the-policy": [
+    # issue 28: the copies of a delivery re-published headers the client cannot write
+    "copies-unsanitized": [(waystation.runtime.settle, "sendable", _headers_as_they_came)],
+    # issue 28: a resumed run in place that raised Permanent ran again by resume message
+    "resume-in-place-ignores-the-policy": [
         (
             waystation.runtime.flows.reply,
             "run_in_place",

@@ -15,7 +15,8 @@ __all__ = ["FAULT_KINDS", "Scenario", "TaskSpec"]
 Peer = Literal["researcher", "oracle"]
 """``researcher``: a Waystation agent served by the workers; ``oracle``: a plain AMQP peer."""
 Bad = Literal["nan", "inf", "nul", "deep", "object"]
-"""Outcomes a handler can return that no log can store (defect a)."""
+"""Outcomes a handler can return that no log can store (they used to be retried as if
+transient, to the delivery limit)."""
 
 FAULT_KINDS = (
     "crash",
@@ -61,7 +62,8 @@ class TaskSpec:
     cancel_at: float | None = None
     """Seconds after the start when a canceller cancels it."""
     gone: bool = False
-    """Its publisher's reply queue no longer exists when the answer comes (defect f)."""
+    """Its publisher's reply queue no longer exists when the answer comes (such an answer used
+    to re-run its handler)."""
     full_until: float | None = None
     """Its publisher's reply queue rejects publishes (``x-overflow: reject-publish``) and is full
     until this many seconds after the start, when its publisher drains it (``refuse``)."""
