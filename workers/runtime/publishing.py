@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from waystation.events import OutboxMessage
@@ -73,6 +72,23 @@ def committed_here() -> Committed:
     return found
 
 
+class _Collecting:
+    """:meth:`PublishStep.collecting`'s scope (a class, not a generator: it is entered once per
+    delivery)."""
+
+    __slots__ = ("committed", "token")
+
+    def __init__(self) -> None:
+        self.committed = Committed()
+
+    def __enter__(self) -> Committed:
+        self.token = _current.set(self.committed)
+        return self.committed
+
+    def __exit__(self, *_: object) -> None:
+        _current.reset(self.token)
+
+
 class PublishStep:
     """Sends what a piece of work committed, through this worker's outbox publisher."""
 
@@ -80,19 +96,15 @@ class PublishStep:
         self.outbox = outbox
         self.faults = faults
 
-    @contextmanager
-    def collecting(self) -> Iterator[Committed]:
-        """A scope whose appends hand their committed messages to the :class:`Committed` it
-        yields. A flow that raises leaves them to the relay (they are committed)."""
-        committed = Committed()
-        token = _current.set(committed)
-        try:
-            yield committed
-        finally:
-            _current.reset(token)
+    def collecting(self) -> _Collecting:
+        """A scope (``with``) whose appends hand their committed messages to the
+        :class:`Committed` it yields. A flow that raises leaves them to the relay (they are
+        committed)."""
+        return _Collecting()
 
     async def publish(self, committed: Committed) -> None:
-        """Send the committed messages (their confirms arrive while the delivery is settled and
+        """Send the committed messages (the caller may skip the call when ``committed.appends``
+        is empty: there is nothing to do) (their confirms arrive while the delivery is settled and
         the next one handled), then pass the fault plan's ``{step}.published`` points."""
         sent = False
         for append in committed.appends:

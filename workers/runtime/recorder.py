@@ -314,13 +314,14 @@ class Recorder:
         (or the worker stops). The flow around it stands: a handler that already ran is not
         run again, and an append that did commit before its connection dropped is
         recognised as a duplicate when repeated."""
-        outages = Outages(self.observer)
+        outages: Outages | None = None  # made at the first outage: most operations meet none
         while True:
             try:
                 return await operation()
             except StoreUnavailable as error:
                 if self.stopping():
                     raise
+                outages = outages or Outages(self.observer)
                 await outages.wait("database", error)
 
     async def _append(

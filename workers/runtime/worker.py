@@ -343,7 +343,8 @@ class Worker:
             with log_context(**_context_of(delivery, kind)), tracing.consuming(delivery.headers):
                 with self.publishing.collecting() as committed:
                     settled = await self._process(delivery, spec, kind)
-                await self.publishing.publish(committed)
+                if committed.appends:
+                    await self.publishing.publish(committed)
                 if settled.disposition is Disposition.ACK:
                     # not shielded (a task per delivery): this task is cancelled only when
                     # its channel closes, and then the broker takes the message back, acked
@@ -397,19 +398,21 @@ class Worker:
         """Run ``flow``; when a service it needs is out, wait and run it again (not the
         message's fault: retrying in place does not burn its delivery limit). A commit retries
         its own append (``Recorder.commit``), so a handler that already ran is not run again."""
-        outages = Outages(self.observer)
+        outages: Outages | None = None  # made at the first outage: most flows meet none
         while True:
             try:
                 return await flow()
             except StoreUnavailable as error:
                 if self._stopping:
                     return requeue()
+                outages = outages or Outages(self.observer)
                 await outages.wait("database", error)
             except BrokerUnavailable as error:
                 # the broker connection is being restored
                 if self._stopping or not self.broker.settleable(delivery):
                     # its own delivery died with the channel: it is redelivered anyway
                     return requeue()
+                outages = outages or Outages(self.observer)
                 await outages.wait("broker", error)
             except UnreadableStream as error:
                 # a rolling upgrade: leave it to a worker that can read it. Each requeue counts
