@@ -10,10 +10,32 @@ import os
 import socket
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings"]
+__all__ = ["Settings", "asyncpg_url"]
+
+_DRIVER = "postgresql+asyncpg"
+_PLAIN_SCHEMES = ("postgresql", "postgres")
+
+
+def asyncpg_url(url: str) -> str:
+    """``url`` as SQLAlchemy's asyncpg driver takes it: ``postgresql://`` and ``postgres://``
+    (the forms psql, libpq and most tools use) get the driver named; a URL naming another
+    driver is refused, since the log speaks to PostgreSQL through asyncpg alone."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ValueError("is not a database URL; write postgresql://user:password@host:port/name")
+    if scheme in _PLAIN_SCHEMES:
+        return f"{_DRIVER}://{rest}"
+    if scheme == _DRIVER:
+        return url
+    if scheme.startswith(("postgresql+", "postgres+")):
+        raise ValueError(
+            f"names the driver {scheme.partition('+')[2]!r}; Waystation uses asyncpg: "
+            f"write postgresql://... (or {_DRIVER}://...)"
+        )
+    raise ValueError(f"is not a PostgreSQL URL (scheme {scheme!r}); write postgresql://...")
 
 
 def _default_worker_id() -> str:
@@ -23,10 +45,16 @@ def _default_worker_id() -> str:
 class Settings(BaseSettings):
     """Every setting, its environment variable (``WAYSTATION_`` + upper-case name) and default."""
 
-    model_config = SettingsConfigDict(env_prefix="WAYSTATION_", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="WAYSTATION_",
+        extra="ignore",
+        # a URL with its password must not be printed back in a validation error
+        hide_input_in_errors=True,
+    )
 
     database_url: str = "postgresql+asyncpg://postgres@127.0.0.1:5432/waystation"
-    """SQLAlchemy URL of the event log's database (asyncpg driver). Created if missing."""
+    """URL of the event log's database, ``postgresql://`` (or ``postgres://``, or SQLAlchemy's
+    ``postgresql+asyncpg://``; the driver is always asyncpg). Created if missing."""
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
     queue_prefix: str = "waystation."
     """Prepended to every queue and exchange name; one prefix is one isolated deployment."""
@@ -123,3 +151,8 @@ class Settings(BaseSettings):
     """Test hook: SIGKILL the worker at this named step (see workers/runtime/faults.py)."""
     fault_after: int = Field(default=1, ge=1)
     """Test hook: kill on this hit of ``fault_point``."""
+
+    @field_validator("database_url")
+    @classmethod
+    def _asyncpg(cls, url: str) -> str:
+        return asyncpg_url(url)

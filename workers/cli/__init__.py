@@ -25,6 +25,7 @@ __all__ = ["main"]
 
 
 @click.group()
+@click.version_option(package_name="waystation", message="waystation %(version)s")
 @click.option(
     "--log-level",
     envvar="WAYSTATION_LOG_LEVEL",
