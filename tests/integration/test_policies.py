@@ -153,8 +153,8 @@ def test_waystation_agents_lists_each_agent_with_its_policies(settings: Settings
     assert lines[0].split()[:2] == ["agent", "retries"]
     assert any(line.split()[:2] == ["slow", "1"] and "1s" in line for line in lines)
     assert lines[0].split()[-3:] == ["concurrency", "rate", "calls"]
-    # the default app: retries from WAYSTATION_DELIVERY_LIMIT
-    default = waystation(settings, "agents", "--json")
+    # the example app, whose agents declare no retries: WAYSTATION_DELIVERY_LIMIT's
+    default = waystation(settings, "agents", "--app", "waystation.example:app", "--json")
     assert {row["retries"] for row in json.loads(default.stdout)["agents"]} == {
         settings.delivery_limit - 1
     }

@@ -30,6 +30,14 @@ def _variables(rows: dict[str, list[str]]) -> dict[str, str]:
     return found
 
 
+def _every_param(command: click.Command) -> list[click.Parameter]:
+    """The options of ``command`` and of every command under it (``--app``'s WAYSTATION_APP)."""
+    found = list(command.params)
+    for sub in getattr(command, "commands", {}).values():
+        found += _every_param(sub)
+    return found
+
+
 def test_the_configuration_table_lists_every_setting_with_its_default() -> None:
     documented = _variables(table_after(CONFIGURATION.read_text(), "# Configuration"))
     for name, field in Settings.model_fields.items():
@@ -45,7 +53,7 @@ def test_the_configuration_table_lists_every_setting_with_its_default() -> None:
             assert float(shown) == default, variable
         else:
             assert shown == str(default), variable
-    cli = {p.envvar for p in main.params if isinstance(p.envvar, str)}
+    cli = {p.envvar for p in _every_param(main) if isinstance(p.envvar, str)}
     for variable in cli:
         assert variable in documented, f"{variable} (read by the CLI) is missing"
     unknown = set(documented) - cli - {f"WAYSTATION_{n.upper()}" for n in Settings.model_fields}

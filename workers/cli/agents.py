@@ -14,12 +14,11 @@ __all__ = ["agents"]
 @click.option(
     "--app",
     "app_path",
-    default="waystation.example:app",
-    show_default=True,
-    help="The app whose agents to list, as module:attribute.",
+    envvar="WAYSTATION_APP",
+    help="The app whose agents to list, as module:attribute; required (env WAYSTATION_APP).",
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
-def agents(app_path: str, as_json: bool) -> None:
+def agents(app_path: str | None, as_json: bool) -> None:
     """List the agents of the app with their policies: retries (after the first run; the
     default is WAYSTATION_DELIVERY_LIMIT - 1), the backoff between them (spent waiting in the
     broker), the time limit of one run, the most runs at once and starts per period across the
@@ -29,7 +28,7 @@ def agents(app_path: str, as_json: bool) -> None:
 
     app = load_app(app_path)  # a policy that cannot work: a usage error naming it
     if not isinstance(app, App):
-        raise click.BadParameter(f"{app_path!r} is not a workers.App", param_hint="--app")
+        raise click.BadParameter(f"{app_path!r} is not a waystation App", param_hint="--app")
     settings = load_settings()
     rows = [spec.policy(settings.delivery_limit) for spec in app.agents.values()]
     if as_json:

@@ -18,12 +18,11 @@ __all__ = ["schema"]
 @click.option(
     "--app",
     "app_path",
-    default="waystation.example:app",
-    show_default=True,
+    envvar="WAYSTATION_APP",
     help="The app the agent belongs to, as module:attribute (imported from the current "
-    "directory first).",
+    "directory first); required (env WAYSTATION_APP).",
 )
-def schema(agent: str, app_path: str) -> None:
+def schema(agent: str, app_path: str | None) -> None:
     """Print the JSON Schema of AGENT's input and of its result, as one JSON object:
     {"agent": ..., "input": schema, "result": schema}.
 

@@ -32,12 +32,12 @@ log = logging.getLogger("waystation")
 @click.option(
     "--app",
     "app_path",
-    default="waystation.example:app",
-    show_default=True,
-    help="The app to serve, as module:attribute (imported from the current directory first).",
+    envvar="WAYSTATION_APP",
+    help="The app to serve, as module:attribute (imported from the current directory first); "
+    "required (env WAYSTATION_APP).",
 )
 @click.option("--concurrency", type=int, help="Messages handled at once per queue.")
-def worker(app_path: str, concurrency: int | None) -> None:
+def worker(app_path: str | None, concurrency: int | None) -> None:
     """Run a worker serving every agent of the app until SIGTERM or SIGINT.
 
     Migrates the database first (creating it if needed), declares the queues, and applies the

@@ -39,13 +39,23 @@ def load_settings(**overrides: Any) -> Settings:
     return Settings(**{k: v for k, v in overrides.items() if v is not None})
 
 
-def load_app(path: str) -> Any:
+NO_APP = (
+    "name the app: --app module:attribute, or WAYSTATION_APP (the example app that comes with "
+    "Waystation: --app waystation.example:app)"
+)
+
+
+def load_app(path: str | None) -> Any:
     """The app ``module:attribute`` names (``module`` alone means its ``app``), importing from
     the current directory first, as ``python -m`` would: an installed ``waystation`` script has
-    its own directory on ``sys.path``, not the one it is run from."""
+    its own directory on ``sys.path``, not the one it is run from. None (neither ``--app`` nor
+    ``WAYSTATION_APP`` given) is a usage error: no app is served that was not named."""
     import click
 
     from waystation.policies import PolicyError
+
+    if not path:
+        raise click.UsageError(NO_APP)
 
     here = os.getcwd()
     if here not in sys.path:
