@@ -12,6 +12,7 @@ import asyncio
 import random
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -303,6 +304,15 @@ class StateStoreContract:
         await adapter.save_remote_binding(moved)
         await adapter.save_remote_binding(other)
         assert await adapter.list_remote_bindings(trace) == [moved, other]
+
+    async def test_a_binding_saved_as_it_was_before_is_the_binding_again(
+        self, adapter: WaystationStateStore
+    ) -> None:
+        trace = new_id()
+        live = RemoteBinding(trace, "ctx", "task-1", "http://worker-a:8080")
+        for saved in (live, replace(live, is_terminal=True), live):  # last write wins
+            await adapter.save_remote_binding(saved)
+            assert await adapter.list_remote_bindings(trace) == [saved]
 
     # -- planner state --
 

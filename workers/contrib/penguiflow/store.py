@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 import uuid
@@ -211,11 +212,16 @@ class WaystationStateStore:
 
     @_never_raises(lambda: None)
     async def save_remote_binding(self, binding: RemoteBinding) -> None:
+        # a register per (context_id, task_id): a save of the state it had before (live again
+        # after it was terminal) is the binding, not a duplicate of that earlier record
         data = jsonable(asdict(binding))
-        stream = stream_name("bindings", binding.trace_id)
-        event_id = derived_id(stream, fingerprint(data))
-        event = self._log.new_event(event_id, "penguiflow.RemoteBindingSaved", {"binding": data})
-        await self._log.record(stream, event)
+        await self._log.put(
+            stream_name("bindings", binding.trace_id),
+            "penguiflow.RemoteBindingSaved",
+            {"binding": data},
+            same=fingerprint(data),
+            key=json.dumps(_binding_key(data)),
+        )
 
     async def list_remote_bindings(self, trace_id: str) -> list[RemoteBinding]:
         """The bindings of a trace, the newest save of each ``(context_id, task_id)`` (not part
@@ -223,8 +229,8 @@ class WaystationStateStore:
         latest: dict[tuple[Any, Any], dict[str, Any]] = {}
         for event in await self._read(stream_name("bindings", trace_id)):
             data = event.data["binding"]
-            latest.pop((data["context_id"], data["task_id"]), None)
-            latest[(data["context_id"], data["task_id"])] = data
+            latest.pop(_binding_key(data), None)
+            latest[_binding_key(data)] = data
         return [RemoteBinding(**data) for data in latest.values()]
 
     # ---- planner pause state: one-time tokens ----
@@ -464,6 +470,11 @@ def _page(
                 break
     found = [e for e in events[start:] if task_id is None or e.data["task_id"] == task_id]
     return found[: max(limit, 0)]
+
+
+def _binding_key(data: dict[str, Any]) -> tuple[Any, Any]:
+    """What identifies a binding within its trace."""
+    return (data["context_id"], data["task_id"])
 
 
 def _task_state(model: TaskStateModel) -> TaskState:
