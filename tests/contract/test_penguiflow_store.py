@@ -13,14 +13,15 @@ import functools
 import random
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import datetime
 from typing import Any
 
 import pytest
 import pytest_asyncio
 
-from waystation.events import EventStore, RecordedEvent, StoreUnavailable
+from waystation.contrib.penguiflow.streams import decode_value, jsonable
+from waystation.events import GENESIS_HASH, EventStore, NewEvent, RecordedEvent, StoreUnavailable
 from waystation.events.memory import InMemoryEventStore
 from waystation.events.postgres import PostgresEventStore
 from waystation.projections.audit import verify_stream
@@ -366,6 +367,40 @@ class StateStoreContract:
             await adapter.save_remote_binding(saved)
             assert await adapter.list_remote_bindings(trace) == [saved]
 
+    async def test_binding_metadata_the_log_cannot_hold_as_json_is_kept_losslessly(
+        self, adapter: WaystationStateStore
+    ) -> None:
+        session = new_id("session")
+        odd = {"nul": "a\x00b", "big": 2**70, "unicode": "naïve ✓", "remote_task_state": "working"}
+        binding = replace(conversation(session, "ctx", "task-1"), metadata=odd)
+        await adapter.save_remote_binding(binding)
+        assert await adapter.list_remote_bindings(binding.trace_id) == [binding]
+        assert await adapter.list_bindings(router_session_id=session) == [binding]
+        found = await adapter.find_binding(
+            router_session_id=session, agent_url="agent", remote_skill="echo"
+        )
+        assert found == binding and adapter.errors == {}
+
+    async def test_a_binding_recorded_before_bindings_were_encoded_is_still_read(
+        self, adapter: WaystationStateStore, log: EventStore
+    ) -> None:
+        session, trace = new_id("session"), new_id()
+        earlier = conversation(session, "ctx", "task-1", trace=trace)
+        plain = jsonable(asdict(earlier))  # as the adapter recorded a binding until now
+        await log.append(
+            f"penguiflow:bindings:{trace}",
+            0,
+            [NewEvent(uuid.uuid4(), "penguiflow.RemoteBindingSaved", {"binding": plain})],
+            prev_hash=GENESIS_HASH,
+        )
+        assert await adapter.list_remote_bindings(trace) == [earlier]
+        await adapter.mark_binding_terminal(trace_id=trace, context_id="ctx", task_id="task-1")
+        assert await adapter.list_remote_bindings(trace) == [replace(earlier, is_terminal=True)]
+        assert await adapter.list_bindings(router_session_id=session) == [
+            replace(earlier, is_terminal=True)
+        ]
+        assert adapter.errors == {}
+
     # -- conversation bindings (PenguiFlow 3.11: find_binding, list_bindings, ...) --
 
     async def test_a_binding_is_found_by_its_session_agent_skill_and_exact_scope(
@@ -564,7 +599,10 @@ class StateStoreContract:
         held.release.set()
         await asyncio.wait_for(slow, 60)
         stream = await log.read_stream(f"penguiflow:session:{session}:bindings")
-        assert [e.data["binding"]["is_terminal"] for e in stream] == [True, False]  # late
+        assert [decode_value(e.data["binding"])["is_terminal"] for e in stream] == [
+            True,
+            False,
+        ]  # late
         assert await WaystationStateStore(log).list_bindings(router_session_id=session) == [newer]
 
     # -- planner state --

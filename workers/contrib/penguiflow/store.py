@@ -226,24 +226,25 @@ class WaystationStateStore:
         the binding saved and lists it: the listing's id is that of the state it lists."""
         stream = stream_name("bindings", data["trace_id"])
         key = _binding_key(data)
+        stored = encode_value(data)  # metadata may hold what the log cannot as JSON
         saved = await self._log.put(
             stream,
             "penguiflow.RemoteBindingSaved",
-            {"binding": data},
+            {"binding": stored},
             same=fingerprint(data),
             key=json.dumps(key),
         )
         sessions = {
-            e.data["binding"]["router_session_id"]
-            for e in await self._read(stream)
-            if _binding_key(e.data["binding"]) == key
+            binding["router_session_id"]
+            for binding in map(_binding_of, await self._read(stream))
+            if _binding_key(binding) == key
         }
         for session in sorted(s for s in sessions if s is not None):
             listing = stream_name("session", session, "bindings")
             event = self._log.new_event(
                 derived_id(listing, data["trace_id"], saved.version),
                 "penguiflow.RemoteBindingListed",
-                {"trace_version": saved.version, "binding": data},
+                {"trace_version": saved.version, "binding": stored},
             )
             await self._log.record(listing, event)
 
@@ -251,8 +252,7 @@ class WaystationStateStore:
         """The bindings of a trace, the newest save of each ``(context_id, task_id)`` (not part
         of PenguiFlow's protocol: for auditors and tests)."""
         latest: dict[tuple[Any, Any], dict[str, Any]] = {}
-        for event in await self._read(stream_name("bindings", trace_id)):
-            data = event.data["binding"]
+        for data in map(_binding_of, await self._read(stream_name("bindings", trace_id))):
             latest.pop(_binding_key(data), None)
             latest[_binding_key(data)] = data
         return [RemoteBinding(**data) for data in latest.values()]
@@ -266,7 +266,7 @@ class WaystationStateStore:
         # first listed (the reference's), leaving out those that moved to another session
         states: dict[tuple[Any, ...], tuple[int, dict[str, Any]]] = {}
         for event in await self._read(stream_name("session", router_session_id, "bindings")):
-            data, version = event.data["binding"], event.data["trace_version"]
+            data, version = _binding_of(event), event.data["trace_version"]
             key = (data["trace_id"], *_binding_key(data))
             if key not in states or version > states[key][0]:
                 states[key] = (version, data)
@@ -301,12 +301,12 @@ class WaystationStateStore:
     async def mark_binding_terminal(
         self, *, trace_id: str, context_id: str | None, task_id: str
     ) -> None:
-        key = (context_id, task_id)
+        key, stream = (context_id, task_id), stream_name("bindings", trace_id)
         current = next(
             (
-                e.data["binding"]
-                for e in reversed(await self._read(stream_name("bindings", trace_id)))
-                if _binding_key(e.data["binding"]) == key
+                binding
+                for binding in map(_binding_of, reversed(await self._read(stream)))
+                if _binding_key(binding) == key
             ),
             None,
         )
@@ -551,6 +551,13 @@ def _page(
                 break
     found = [e for e in events[start:] if task_id is None or e.data["task_id"] == task_id]
     return found[: max(limit, 0)]
+
+
+def _binding_of(event: RecordedEvent) -> dict[str, Any]:
+    """The binding a record holds: encoded (``encode_value``), or as it is in a record written
+    before bindings were encoded (a binding has no field ``json`` nor ``json_text``)."""
+    stored: dict[str, Any] = event.data["binding"]
+    return dict(decode_value(stored)) if {"json", "json_text"} & stored.keys() else stored
 
 
 def _binding_key(data: dict[str, Any]) -> tuple[Any, Any]:
