@@ -9,16 +9,19 @@ and on PostgreSQL (this test run's database).
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, replace
 from datetime import datetime
 from typing import Any
 
 import pytest
 import pytest_asyncio
 
-from waystation.events import EventStore, RecordedEvent, StoreUnavailable
+from waystation.contrib.penguiflow.streams import decode_value, jsonable
+from waystation.events import GENESIS_HASH, EventStore, NewEvent, RecordedEvent, StoreUnavailable
 from waystation.events.memory import InMemoryEventStore
 from waystation.events.postgres import PostgresEventStore
 from waystation.projections.audit import verify_stream
@@ -148,6 +151,50 @@ class FaultyLog(EventStore):
         return await self.inner.pending_call_deadlines(task_id)
 
 
+def conversation(
+    session: str, context_id: str | None, task_id: str, *, trace: str | None = None, **scope: Any
+) -> RemoteBinding:
+    """A conversation binding of ``session`` to the skill ``echo`` of ``agent``, as PenguiFlow's
+    remote nodes save them."""
+    return RemoteBinding(
+        trace_id=trace or new_id(),
+        context_id=context_id,
+        task_id=task_id,
+        agent_url="agent",
+        router_session_id=session,
+        remote_skill="echo",
+        last_remote_task_id=task_id,
+        metadata={"source": "remote_node"},
+        **scope,
+    )
+
+
+class ListingFaults(FaultyLog):
+    """A log on which listing a saved binding under its session (an append to a session's
+    bindings) fails (mode ``bug``: the process dies between saving a binding to its trace and
+    listing it) or waits for :attr:`release` (mode ``held``: a slow process, overtaken by
+    another; :attr:`held` is set once one waits); everything else works."""
+
+    def __init__(self, inner: EventStore, mode: str) -> None:
+        super().__init__(inner, mode)
+        self.held, self.release = asyncio.Event(), asyncio.Event()
+
+    async def append(self, stream_id: str, *args: Any, **kwargs: Any) -> Any:
+        if stream_id.startswith("penguiflow:session:") and stream_id.endswith(":bindings"):
+            if self.mode == "held":
+                self.held.set()
+                await self.release.wait()
+            else:
+                await self._fault()
+        return await self.inner.append(stream_id, *args, **kwargs)
+
+    async def read_stream(self, stream_id: str, *, after: int = 0) -> list[RecordedEvent]:
+        return await self.inner.read_stream(stream_id, after=after)
+
+    async def last_event(self, stream_id: str) -> RecordedEvent | None:
+        return await self.inner.last_event(stream_id)
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 1_800_000_000.0
@@ -261,6 +308,7 @@ class StateStoreContract:
             ),
             adapter.save_trajectory(trace, session, Trajectory(query="q")),
             adapter.save_planner_event(trace, PlannerEvent("step_start", 1.0, 0)),
+            adapter.mark_binding_terminal(trace_id=trace, context_id=None, task_id="t"),
         ]
         assert await asyncio.wait_for(asyncio.gather(*saves), 60) == [None] * len(saves)
         reads = [
@@ -273,6 +321,10 @@ class StateStoreContract:
             adapter.get_trajectory(trace, session),
             adapter.list_traces(session),
             adapter.list_planner_events(trace),
+            adapter.find_binding(
+                router_session_id=session, agent_url="http://peer", remote_skill="s"
+            ),
+            adapter.list_bindings(router_session_id=session),
         ]
         assert await asyncio.wait_for(asyncio.gather(*reads), 60) == [
             [],
@@ -283,6 +335,8 @@ class StateStoreContract:
             [],
             None,
             [],
+            [],
+            None,
             [],
         ]
         assert sum(adapter.errors.values()) == len(saves) + len(reads)
@@ -303,6 +357,253 @@ class StateStoreContract:
         await adapter.save_remote_binding(moved)
         await adapter.save_remote_binding(other)
         assert await adapter.list_remote_bindings(trace) == [moved, other]
+
+    async def test_a_binding_saved_as_it_was_before_is_the_binding_again(
+        self, adapter: WaystationStateStore
+    ) -> None:
+        trace = new_id()
+        live = RemoteBinding(trace, "ctx", "task-1", "http://worker-a:8080")
+        for saved in (live, replace(live, is_terminal=True), live):  # last write wins
+            await adapter.save_remote_binding(saved)
+            assert await adapter.list_remote_bindings(trace) == [saved]
+
+    async def test_binding_metadata_the_log_cannot_hold_as_json_is_kept_losslessly(
+        self, adapter: WaystationStateStore
+    ) -> None:
+        session = new_id("session")
+        odd = {"nul": "a\x00b", "big": 2**70, "unicode": "naïve ✓", "remote_task_state": "working"}
+        binding = replace(conversation(session, "ctx", "task-1"), metadata=odd)
+        await adapter.save_remote_binding(binding)
+        assert await adapter.list_remote_bindings(binding.trace_id) == [binding]
+        assert await adapter.list_bindings(router_session_id=session) == [binding]
+        found = await adapter.find_binding(
+            router_session_id=session, agent_url="agent", remote_skill="echo"
+        )
+        assert found == binding and adapter.errors == {}
+
+    async def test_a_binding_recorded_before_bindings_were_encoded_is_still_read(
+        self, adapter: WaystationStateStore, log: EventStore
+    ) -> None:
+        session, trace = new_id("session"), new_id()
+        earlier = conversation(session, "ctx", "task-1", trace=trace)
+        plain = jsonable(asdict(earlier))  # as the adapter recorded a binding until now
+        await log.append(
+            f"penguiflow:bindings:{trace}",
+            0,
+            [NewEvent(uuid.uuid4(), "penguiflow.RemoteBindingSaved", {"binding": plain})],
+            prev_hash=GENESIS_HASH,
+        )
+        assert await adapter.list_remote_bindings(trace) == [earlier]
+        await adapter.mark_binding_terminal(trace_id=trace, context_id="ctx", task_id="task-1")
+        assert await adapter.list_remote_bindings(trace) == [replace(earlier, is_terminal=True)]
+        assert await adapter.list_bindings(router_session_id=session) == [
+            replace(earlier, is_terminal=True)
+        ]
+        assert adapter.errors == {}
+
+    # -- conversation bindings (PenguiFlow 3.11: find_binding, list_bindings, ...) --
+
+    async def test_a_binding_is_found_by_its_session_agent_skill_and_exact_scope(
+        self, adapter: WaystationStateStore
+    ) -> None:
+        session = new_id("session")
+        find = functools.partial(
+            adapter.find_binding, router_session_id=session, agent_url="agent", remote_skill="echo"
+        )
+        await adapter.save_remote_binding(RemoteBinding(new_id(), "ctx-0", "task-0", "agent"))
+        assert await find() is None  # saved without a session: not a conversation binding
+        scoped = conversation(session, "ctx-1", "task-1", tenant_id="tenant-a", user_id="user-a")
+        await adapter.save_remote_binding(scoped)
+        for tenant, user in [("tenant-a", None), (None, "user-a"), ("tenant-b", "user-a")]:
+            assert await find(tenant_id=tenant, user_id=user) is None
+        assert await find(tenant_id="tenant-a", user_id="user-a") == scoped
+        assert (
+            await adapter.find_binding(
+                router_session_id=new_id("session"),
+                agent_url="agent",
+                remote_skill="echo",
+                tenant_id="tenant-a",
+                user_id="user-a",
+            )
+            is None
+        )
+        assert await find(tenant_id="tenant-a", user_id="user-a", remote_skill="other") is None
+        assert await find(tenant_id="tenant-a", user_id="user-a", agent_url="other") is None
+        unscoped = conversation(session, "ctx-2", "task-2")
+        await adapter.save_remote_binding(unscoped)
+        assert await find(tenant_id="tenant-a", user_id="user-a") == scoped
+        assert await find() == unscoped
+        await adapter.mark_binding_terminal(
+            trace_id=scoped.trace_id, context_id="ctx-1", task_id="task-1"
+        )
+        await adapter.mark_binding_terminal(
+            trace_id=unscoped.trace_id, context_id="ctx-2", task_id="task-2"
+        )
+        assert await find() is None and await find(tenant_id="tenant-a", user_id="user-a") is None
+        assert await adapter.list_bindings(router_session_id=session) == [
+            replace(scoped, is_terminal=True),
+            replace(unscoped, is_terminal=True),
+        ]
+        assert adapter.errors == {}
+
+    async def test_the_newest_live_binding_is_found_when_an_older_one_ends(
+        self, adapter: WaystationStateStore
+    ) -> None:
+        session = new_id("session")
+        first, second = (
+            conversation(session, "ctx", "task-1"),
+            conversation(session, "ctx", "task-2"),
+        )
+        await adapter.save_remote_binding(first)
+        await adapter.save_remote_binding(second)
+        find = functools.partial(
+            adapter.find_binding, router_session_id=session, agent_url="agent", remote_skill="echo"
+        )
+        assert await find() == second
+        await adapter.mark_binding_terminal(
+            trace_id=first.trace_id, context_id="ctx", task_id="task-1"
+        )
+        assert await find() == second
+        await adapter.mark_binding_terminal(
+            trace_id=second.trace_id, context_id="ctx", task_id="task-2"
+        )
+        assert await find() is None
+        # saved again as it was (a new turn of the same remote task): live again
+        await adapter.save_remote_binding(first)
+        assert await find() == first
+
+    async def test_a_binding_saved_terminal_is_listed_but_never_found(
+        self, adapter: WaystationStateStore
+    ) -> None:
+        session = new_id("session")
+        ended = conversation(session, "ctx", "task-1", is_terminal=True)
+        await adapter.save_remote_binding(ended)
+        assert (
+            await adapter.find_binding(
+                router_session_id=session, agent_url="agent", remote_skill="echo"
+            )
+            is None
+        )
+        assert await adapter.list_bindings(router_session_id=session) == [ended]
+        assert await adapter.list_bindings(router_session_id=new_id("session")) == []
+
+    async def test_bindings_are_listed_once_each_newest_state_in_the_order_first_saved(
+        self, adapter: WaystationStateStore, log: EventStore
+    ) -> None:
+        session = new_id("session")
+        one, two = conversation(session, "ctx", "task-1"), conversation(session, None, "task-2")
+        await adapter.save_remote_binding(one)
+        await adapter.save_remote_binding(two)
+        await adapter.save_remote_binding(one)  # a repeat: nothing new is written
+        changed = replace(one, metadata={"awaiting_remote_input": True})
+        await adapter.save_remote_binding(changed)
+        assert await adapter.list_bindings(router_session_id=session) == [changed, two]
+        assert len(await log.read_stream(f"penguiflow:session:{session}:bindings")) == 3
+
+    async def test_a_binding_moved_to_another_session_leaves_the_first(
+        self, adapter: WaystationStateStore
+    ) -> None:
+        before, after = new_id("session"), new_id("session")
+        binding = conversation(before, "ctx", "task-1")
+        await adapter.save_remote_binding(binding)
+        moved = replace(binding, router_session_id=after)
+        await adapter.save_remote_binding(moved)
+        assert await adapter.list_bindings(router_session_id=before) == []
+        assert (
+            await adapter.find_binding(
+                router_session_id=before, agent_url="agent", remote_skill="echo"
+            )
+            is None
+        )
+        assert await adapter.list_bindings(router_session_id=after) == [moved]
+
+    async def test_marking_an_unknown_binding_terminal_writes_nothing(
+        self, adapter: WaystationStateStore, log: EventStore
+    ) -> None:
+        trace = new_id()
+        await adapter.mark_binding_terminal(trace_id=trace, context_id=None, task_id="nobody")
+        assert await log.read_stream(f"penguiflow:bindings:{trace}") == []
+        # another binding of the trace is not touched either
+        await adapter.save_remote_binding(RemoteBinding(trace, "ctx", "task-1", "agent"))
+        await adapter.mark_binding_terminal(trace_id=trace, context_id=None, task_id="task-1")
+        assert await adapter.list_remote_bindings(trace) == [
+            RemoteBinding(trace, "ctx", "task-1", "agent")
+        ]
+        assert adapter.errors == {}
+
+    async def test_bindings_saved_by_one_process_are_found_and_ended_by_another(
+        self, log: EventStore
+    ) -> None:
+        session, trace = new_id("session"), new_id()
+        writers = [WaystationStateStore(log) for _ in range(4)]
+        bindings = [conversation(session, "ctx", f"task-{n}", trace=trace) for n in range(12)]
+        await asyncio.gather(
+            *(writers[n % 4].save_remote_binding(b) for n, b in enumerate(bindings))
+        )
+        reader = WaystationStateStore(log)
+        listed = await reader.list_bindings(router_session_id=session)
+        assert sorted(listed, key=lambda b: b.task_id) == sorted(bindings, key=lambda b: b.task_id)
+        newest = listed[-1]
+        assert (
+            await reader.find_binding(
+                router_session_id=session, agent_url="agent", remote_skill="echo"
+            )
+            == newest
+        )
+        await reader.mark_binding_terminal(trace_id=trace, context_id="ctx", task_id=newest.task_id)
+        assert (
+            await writers[0].find_binding(
+                router_session_id=session, agent_url="agent", remote_skill="echo"
+            )
+            == listed[-2]
+        )
+        assert all(w.errors == {} for w in [*writers, reader])
+
+    async def test_a_save_cut_off_before_its_session_listing_is_completed_by_a_retry(
+        self, log: EventStore
+    ) -> None:
+        session = new_id("session")
+        binding = conversation(session, "ctx", "task-1")
+        crashed = WaystationStateStore(ListingFaults(log, "bug"))
+        await crashed.save_remote_binding(binding)
+        assert crashed.errors == {"save_remote_binding": 1}
+        retried = WaystationStateStore(log)
+        assert await retried.list_remote_bindings(binding.trace_id) == [binding]  # half done
+        assert await retried.list_bindings(router_session_id=session) == []
+        await retried.save_remote_binding(binding)
+        assert await retried.list_bindings(router_session_id=session) == [binding]
+        # the same for an end cut off before its listing, and retried
+        await crashed.mark_binding_terminal(
+            trace_id=binding.trace_id, context_id="ctx", task_id="task-1"
+        )
+        await retried.mark_binding_terminal(
+            trace_id=binding.trace_id, context_id="ctx", task_id="task-1"
+        )
+        assert await retried.list_bindings(router_session_id=session) == [
+            replace(binding, is_terminal=True)
+        ]
+        assert retried.errors == {}
+
+    async def test_a_listing_that_arrives_late_does_not_bring_back_an_older_state(
+        self, log: EventStore
+    ) -> None:
+        session = new_id("session")
+        older = conversation(session, "ctx", "task-1")
+        newer = replace(older, metadata={"remote_task_state": "completed"}, is_terminal=True)
+        held = ListingFaults(log, "held")
+        slow = asyncio.create_task(
+            WaystationStateStore(held, timeout=60).save_remote_binding(older)
+        )
+        await asyncio.wait_for(held.held.wait(), 60)  # saved to its trace, not yet listed
+        await WaystationStateStore(log).save_remote_binding(newer)
+        held.release.set()
+        await asyncio.wait_for(slow, 60)
+        stream = await log.read_stream(f"penguiflow:session:{session}:bindings")
+        assert [decode_value(e.data["binding"])["is_terminal"] for e in stream] == [
+            True,
+            False,
+        ]  # late
+        assert await WaystationStateStore(log).list_bindings(router_session_id=session) == [newer]
 
     # -- planner state --
 
@@ -592,7 +893,10 @@ class StateStoreContract:
     ) -> None:
         session, trace, token = new_id("session"), new_id(), uuid.uuid4().hex
         await adapter.save_event(stored(trace, 1.0))
-        await adapter.save_remote_binding(RemoteBinding(trace, None, "t", "http://peer"))
+        await adapter.save_remote_binding(
+            RemoteBinding(trace, None, "t", "http://peer", router_session_id=session)
+        )
+        await adapter.mark_binding_terminal(trace_id=trace, context_id=None, task_id="t")
         await adapter.save_planner_state(token, {"a": 1})
         assert await adapter.load_planner_state(token) == {"a": 1}
         await adapter.save_memory_state(session, {"a": 1})
@@ -612,6 +916,7 @@ class StateStoreContract:
             f"penguiflow:session:{session}:updates",
             f"penguiflow:session:{session}:steering",
             f"penguiflow:session:{session}:traces",
+            f"penguiflow:session:{session}:bindings",
             f"penguiflow:trajectory:{trace}",
             f"penguiflow:planner:{trace}",
         ]

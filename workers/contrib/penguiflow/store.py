@@ -8,6 +8,7 @@ stream                                          events
 ==============================================  ===============================================
 ``penguiflow:trace:<trace id>``                 ``penguiflow.EventSaved`` (``None``: ``__global__``)
 ``penguiflow:bindings:<trace id>``              ``penguiflow.RemoteBindingSaved``
+``penguiflow:session:<id>:bindings``            ``penguiflow.RemoteBindingListed``
 ``penguiflow:pause:<token>``                    ``penguiflow.PlannerStateIssued`` / ``…Consumed``
 ``penguiflow:memory:<key>``                     ``penguiflow.MemoryStateSaved``
 ``penguiflow:session:<id>:tasks``               ``penguiflow.TaskSaved``
@@ -20,7 +21,9 @@ stream                                          events
 
 Every query is answered from one stream, read through the log's index on ``(stream_id,
 stream_version)``: no projection is needed, and what a method returns is always what the
-log holds at that moment. A repeated save carries the same event id (uuid5 of the spec's
+log holds at that moment. (A conversation binding is kept in its trace's stream and listed,
+each state of it, under its router session's, which is what ``find_binding`` and
+``list_bindings`` read.) A repeated save carries the same event id (uuid5 of the spec's
 fingerprint, or of the record's own idempotency key) and is recognised as a duplicate; see
 :mod:`waystation.contrib.penguiflow.streams` for how records and last-write-wins registers are
 appended.
@@ -30,7 +33,7 @@ and a failure is logged (``statestore_<method>_failed``), counted in :attr:`erro
 ``waystation_penguiflow_store_errors_total`` counter when a registry is given) and answered with
 the spec's safe default (nothing saved; ``[]`` or ``None`` read).
 
-Why one module of some 480 lines: it has one job, PenguiFlow's protocol method by method, each a
+Why one module of some 570 lines: it has one job, PenguiFlow's protocol method by method, each a
 few lines over :class:`~waystation.contrib.penguiflow.streams.LogWriter` (how records are appended
 and encoded is already apart, in ``streams``). Splitting it by PenguiFlow's capability protocols
 would mean mixins sharing the guard, the writer and the reader, and a method looked for in
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 import uuid
@@ -209,23 +213,106 @@ class WaystationStateStore:
             if e.event_type == "penguiflow.EventSaved"
         ]
 
+    # ---- remote bindings and conversation bindings ----
+
     @_never_raises(lambda: None)
     async def save_remote_binding(self, binding: RemoteBinding) -> None:
-        data = jsonable(asdict(binding))
-        stream = stream_name("bindings", binding.trace_id)
-        event_id = derived_id(stream, fingerprint(data))
-        event = self._log.new_event(event_id, "penguiflow.RemoteBindingSaved", {"binding": data})
-        await self._log.record(stream, event)
+        await self._save_binding(jsonable(asdict(binding)))
+
+    async def _save_binding(self, data: dict[str, Any]) -> None:
+        """``data`` becomes the binding of its ``(context_id, task_id)`` in its trace's stream
+        (last write wins), then is listed under every router session that binding has had, so
+        a session it moved away from sees it go. A retry after a crash between the two finds
+        the binding saved and lists it: the listing's id is that of the state it lists."""
+        stream = stream_name("bindings", data["trace_id"])
+        key = _binding_key(data)
+        stored = encode_value(data)  # metadata may hold what the log cannot as JSON
+        saved = await self._log.put(
+            stream,
+            "penguiflow.RemoteBindingSaved",
+            {"binding": stored},
+            same=fingerprint(data),
+            key=json.dumps(key),
+        )
+        sessions = {
+            binding["router_session_id"]
+            for binding in map(_binding_of, await self._read(stream))
+            if _binding_key(binding) == key
+        }
+        for session in sorted(s for s in sessions if s is not None):
+            listing = stream_name("session", session, "bindings")
+            event = self._log.new_event(
+                derived_id(listing, data["trace_id"], saved.version),
+                "penguiflow.RemoteBindingListed",
+                {"trace_version": saved.version, "binding": stored},
+            )
+            await self._log.record(listing, event)
 
     async def list_remote_bindings(self, trace_id: str) -> list[RemoteBinding]:
         """The bindings of a trace, the newest save of each ``(context_id, task_id)`` (not part
         of PenguiFlow's protocol: for auditors and tests)."""
         latest: dict[tuple[Any, Any], dict[str, Any]] = {}
-        for event in await self._read(stream_name("bindings", trace_id)):
-            data = event.data["binding"]
-            latest.pop((data["context_id"], data["task_id"]), None)
-            latest[(data["context_id"], data["task_id"])] = data
+        for data in map(_binding_of, await self._read(stream_name("bindings", trace_id))):
+            latest.pop(_binding_key(data), None)
+            latest[_binding_key(data)] = data
         return [RemoteBinding(**data) for data in latest.values()]
+
+    @_never_raises(list)
+    async def list_bindings(self, *, router_session_id: str) -> Sequence[RemoteBinding]:
+        return await self._session_bindings(router_session_id)
+
+    async def _session_bindings(self, router_session_id: str) -> list[RemoteBinding]:
+        # the newest state of each binding listed under the session, in the order they were
+        # first listed (the reference's), leaving out those that moved to another session
+        states: dict[tuple[Any, ...], tuple[int, dict[str, Any]]] = {}
+        for event in await self._read(stream_name("session", router_session_id, "bindings")):
+            data, version = _binding_of(event), event.data["trace_version"]
+            key = (data["trace_id"], *_binding_key(data))
+            if key not in states or version > states[key][0]:
+                states[key] = (version, data)
+        return [
+            RemoteBinding(**data)
+            for _, data in states.values()
+            if data["router_session_id"] == router_session_id
+        ]
+
+    @_never_raises(lambda: None)
+    async def find_binding(
+        self,
+        *,
+        router_session_id: str,
+        agent_url: str,
+        remote_skill: str,
+        tenant_id: str | None = None,
+        user_id: str | None = None,
+    ) -> RemoteBinding | None:
+        # the newest of the session's live bindings to this agent and skill whose scope is
+        # exactly the one asked for (a scoped binding is not found unscoped, nor the converse)
+        for binding in reversed(await self._session_bindings(router_session_id)):
+            if (
+                (binding.agent_url, binding.remote_skill) == (agent_url, remote_skill)
+                and not binding.is_terminal
+                and (binding.tenant_id, binding.user_id) == (tenant_id, user_id)
+            ):
+                return binding
+        return None
+
+    @_never_raises(lambda: None)
+    async def mark_binding_terminal(
+        self, *, trace_id: str, context_id: str | None, task_id: str
+    ) -> None:
+        key, stream = (context_id, task_id), stream_name("bindings", trace_id)
+        current = next(
+            (
+                binding
+                for binding in map(_binding_of, reversed(await self._read(stream)))
+                if _binding_key(binding) == key
+            ),
+            None,
+        )
+        if current is not None:
+            # saved even when already terminal: a retry after a crash lists it
+            await self._save_binding({**current, "is_terminal": True})
 
     # ---- planner pause state: one-time tokens ----
 
@@ -464,6 +551,18 @@ def _page(
                 break
     found = [e for e in events[start:] if task_id is None or e.data["task_id"] == task_id]
     return found[: max(limit, 0)]
+
+
+def _binding_of(event: RecordedEvent) -> dict[str, Any]:
+    """The binding a record holds: encoded (``encode_value``), or as it is in a record written
+    before bindings were encoded (a binding has no field ``json`` nor ``json_text``)."""
+    stored: dict[str, Any] = event.data["binding"]
+    return dict(decode_value(stored)) if {"json", "json_text"} & stored.keys() else stored
+
+
+def _binding_key(data: dict[str, Any]) -> tuple[Any, Any]:
+    """What identifies a binding within its trace."""
+    return (data["context_id"], data["task_id"])
 
 
 def _task_state(model: TaskStateModel) -> TaskState:

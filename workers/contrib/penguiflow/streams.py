@@ -6,9 +6,10 @@ the two ways a record is appended.
   written twice. Records of one stream that arrive together in one process are appended in one
   statement (group commit); a conflict with another process re-reads the stream's head and
   tries again.
-* :meth:`LogWriter.put`: a register whose last write wins. It appends after the head it read
-  (the version check), with an id derived from that head and the value, so a retry of the same
-  write is a duplicate and a write racing another re-reads the head and tries again.
+* :meth:`LogWriter.put`: a register whose last write wins (or one register per key of a
+  stream). It appends after the head it read (the version check), with an id derived from that
+  head and the value, so a retry of the same write is a duplicate and a write racing another
+  re-reads the head and tries again.
 """
 
 from __future__ import annotations
@@ -254,20 +255,29 @@ class LogWriter:
     # ---- registers ----
 
     async def put(
-        self, stream: str, event_type: str, data: dict[str, Any], *, same: str
+        self,
+        stream: str,
+        event_type: str,
+        data: dict[str, Any],
+        *,
+        same: str,
+        key: str | None = None,
     ) -> Written:
         """Make ``data`` the register's value (its newest event); ``same`` is the fingerprint of
-        what makes two values equal (an equal value is not written again)."""
+        what makes two values equal (an equal value is not written again). With ``key`` the
+        stream holds one register per key (``data["key"]``): the value compared is the newest
+        event of that key, and a write still appends after the stream's head."""
         for attempt in range(_MAX_ATTEMPTS):
             try:
-                last = await self.store.last_event(stream)
-                if last is not None and last.data.get("fingerprint") == same:
-                    return Written(last.stream_version, False)
+                last, current = await self._current(stream, key)
+                if current is not None and current.data.get("fingerprint") == same:
+                    return Written(current.stream_version, False)
                 version = last.stream_version if last is not None else 0
                 prev_hash = last.hash if last is not None else GENESIS_HASH
-                event = self.new_event(
-                    derived_id(stream, version, same), event_type, {**data, "fingerprint": same}
-                )
+                fields = {**data, "fingerprint": same}
+                if key is not None:
+                    fields["key"] = key
+                event = self.new_event(derived_id(stream, version, same), event_type, fields)
                 result = await self.store.append(stream, version, [event], prev_hash=prev_hash)
             except VersionConflict:
                 self.conflicts += 1
@@ -278,6 +288,18 @@ class LogWriter:
                 continue
             return Written(result.version, not result.duplicate)
         raise VersionConflict(stream, -1)
+
+    async def _current(
+        self, stream: str, key: str | None
+    ) -> tuple[RecordedEvent | None, RecordedEvent | None]:
+        """The stream's head, and the register's value: the head itself, or the newest event
+        of ``key``."""
+        if key is None:
+            last = await self.store.last_event(stream)
+            return last, last
+        events = await self.store.read_stream(stream)
+        current = next((e for e in reversed(events) if e.data.get("key") == key), None)
+        return (events[-1] if events else None), current
 
     async def append_at(
         self, stream: str, after: RecordedEvent | None, event: NewEvent
