@@ -90,6 +90,8 @@ class InMemoryPool:
         self.slots = MemorySlotLeases()
         self.workers: list[Worker] = []
         self._size = workers
+        self._added = 0
+        """Workers started so far, killed ones included (each default name is new)."""
         self._client: InMemoryConnection = self.broker.connection("client")
         self._reply_queue = f"{self.settings.queue_prefix}{_RESULTS}"
         self._results: dict[str, TaskResult] = {}
@@ -108,12 +110,13 @@ class InMemoryPool:
         await self._client.declare(self.names, self.app.agents)
         self.broker.declare_queue(self._reply_queue)
         await self._client.consume(self._reply_queue, self._on_answer, prefetch=1000)
-        for index in range(self._size):
-            await self.add_worker(f"worker-{index + 1}")
+        for _ in range(self._size):
+            await self.add_worker()
 
     async def add_worker(self, name: str | None = None) -> Worker:
         """Start one more worker in the pool (a deployment scaled out)."""
-        name = name or f"worker-{len(self.workers) + 1}"
+        self._added += 1
+        name = name or f"worker-{self._added}"
         worker = Worker(
             self.app,
             self.settings.model_copy(update={"worker_id": name}),

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +21,36 @@ from waystation.testing import InMemoryPool
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "agents.md"
 
 
-def _the_docs_examples() -> list[str]:
+def _the_docs_blocks() -> list[str]:
     blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.S)
     return [b for b in blocks if "from waystation.testing import InMemoryPool" in b]
+
+
+def _the_docs_examples() -> list[str]:
+    """The examples that are tests (the script aside)."""
+    return [b for b in _the_docs_blocks() if "asyncio.run(" not in b]
+
+
+def test_the_docs_script_runs_as_written_from_any_directory(tmp_path: Path) -> None:
+    """The script of "Trying handlers without services", as a newcomer runs it: a file of its
+    own, in a directory of its own, run by the venv's Python; it prints what its comment says."""
+    (script,) = [b for b in _the_docs_blocks() if "asyncio.run(" in b]
+    name = re.match(r"# (\S+\.py)\n", script)
+    assert name, "the script's first line names its file"
+    (tmp_path / name.group(1)).write_text(script)
+    run = subprocess.run(
+        [sys.executable, name.group(1)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    assert run.returncode == 0, run.stderr
+    assert "Traceback" not in run.stdout + run.stderr
+    shown = re.search(r"print\(.*\)  # (.+)\n", script)
+    assert shown, "the script says what it prints"
+    assert run.stdout.strip() == shown.group(1)
 
 
 def test_the_docs_have_their_examples_of_the_kit() -> None:
