@@ -50,6 +50,7 @@ from _demo.drive import drive
 from _demo.output import Line, Output
 from _demo.report import summary_lines
 from _demo.setup import Demo
+from pydantic import ValidationError
 from sqlalchemy.engine import make_url
 
 from scripts.lab.harness.guarded import run_guarded
@@ -100,7 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     if options.embedded:
         return main_embedded()
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as invalid:
+        for error in invalid.errors():
+            variable = "WAYSTATION_" + "_".join(str(part) for part in error["loc"]).upper()
+            print(f"demo: {variable}: {error['msg']}", file=sys.stderr)
+        return 2
     down = unreachable(settings)
     if down:
         print(

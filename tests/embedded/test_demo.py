@@ -73,3 +73,19 @@ def test_the_demo_runs_embedded_when_the_services_cannot_be_reached() -> None:
         "running the embedded demo instead (one process, in-memory broker and log)"
     )
     assert "Waystation demo, embedded:" in run.stdout
+
+
+def test_settings_the_demo_cannot_use_are_named_without_a_traceback() -> None:
+    environment = {**os.environ, "WAYSTATION_DATABASE_URL": "mysql://root@127.0.0.1/shop"}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "demo.py")],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=ROOT,
+        env=environment,
+    )
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "Traceback" not in run.stdout + run.stderr
+    assert run.stderr.startswith("demo: WAYSTATION_DATABASE_URL: ")
+    assert "is not a PostgreSQL URL" in run.stderr
