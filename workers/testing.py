@@ -12,7 +12,8 @@ pool slots, with a client. No RabbitMQ or PostgreSQL is needed::
 The workers are :class:`~waystation.Worker` s, the same code a deployment runs; the broker and
 the log are the in-memory backends that pass the same contract suites as RabbitMQ and
 PostgreSQL. Tasks are published as any publisher would (plain messages of the wire format), and
-their answers collected on the pool's own reply queue. Every failure to finish in time raises
+their answers collected on the pool's own reply queue; :meth:`InMemoryPool.kill` kills a worker
+mid-run as SIGKILL would. Every failure to finish in time raises
 :class:`TimeoutError` naming what was still under way.
 """
 
@@ -89,6 +90,8 @@ class InMemoryPool:
         self.slots = MemorySlotLeases()
         self.workers: list[Worker] = []
         self._size = workers
+        self._added = 0
+        """Workers started so far, killed ones included (each default name is new)."""
         self._client: InMemoryConnection = self.broker.connection("client")
         self._reply_queue = f"{self.settings.queue_prefix}{_RESULTS}"
         self._results: dict[str, TaskResult] = {}
@@ -107,12 +110,13 @@ class InMemoryPool:
         await self._client.declare(self.names, self.app.agents)
         self.broker.declare_queue(self._reply_queue)
         await self._client.consume(self._reply_queue, self._on_answer, prefetch=1000)
-        for index in range(self._size):
-            await self.add_worker(f"worker-{index + 1}")
+        for _ in range(self._size):
+            await self.add_worker()
 
     async def add_worker(self, name: str | None = None) -> Worker:
         """Start one more worker in the pool (a deployment scaled out)."""
-        name = name or f"worker-{len(self.workers) + 1}"
+        self._added += 1
+        name = name or f"worker-{self._added}"
         worker = Worker(
             self.app,
             self.settings.model_copy(update={"worker_id": name}),
@@ -131,6 +135,23 @@ class InMemoryPool:
             await worker.stop()
         self.workers.clear()
         await self._client.close()
+
+    def kill(self, worker: Worker) -> None:
+        """``worker`` dies as a process killed with SIGKILL would, mid-run: its connection drops
+        for good, so every delivery it holds unsettled goes back to its queue for the others
+        and its handlers are cancelled where they are; its outbox relay, deadline sweeper and
+        claims stop, with nothing flushed, handed back or released (its claims on reply homes
+        lapse as a dead process's do). What it committed stays in the log. It leaves
+        ``workers``; :meth:`add_worker` starts a replacement."""
+        if worker not in self.workers:
+            raise ValueError(f"{worker.settings.worker_id} is not a live worker of this pool")
+        self.workers.remove(worker)
+        connection = worker.broker
+        assert isinstance(connection, InMemoryConnection)
+        connection.kill()
+        for task in worker._background:
+            task.cancel()
+        worker.threads.shutdown(wait=False, cancel_futures=True)
 
     # ---- the client ----------------------------------------------------------------------------
 

@@ -6,7 +6,10 @@
   and the live progress;
 * :mod:`.check`: the results, the event log, ``waystation verify``, the projection, the exit
   codes on SIGTERM, and what the logs say of the recovery;
-* :mod:`.report`: the summary table.
+* :mod:`.report`: the rows of the summary;
+* :mod:`.output`: what is printed, plain text: the progress, the checks, the summary;
+* :mod:`.embedded`: the same story without services (``--embedded``, or when they cannot be
+  reached), in one process on the public test kit, ``waystation.testing.InMemoryPool``.
 
 Worker processes, queues, databases and the checks of a log are the harness the scripts share:
 :mod:`scripts.lab.harness`.

@@ -16,18 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from sqlalchemy import text
 
 from scripts.lab.harness.checks import unplanned_streams
 from scripts.lab.harness.processes import log_problems, stop_all
-from waystation.events import GENESIS_HASH, chain_hash
+from waystation.events import GENESIS_HASH, EventStore, chain_hash
 from waystation.events.postgres import PostgresEventStore
 from waystation.example import expected_total
 from waystation.projections.postgres import projection_status
 
 from . import PROJECTION, TASKS, WORKERS, K
 from .drive import Driven
+from .output import Output
 from .setup import Demo
 
 CATCH_UP_TIMEOUT = 20.0
@@ -66,16 +66,14 @@ async def check_all(demo: Demo, driven: Driven, failures: list[str]) -> Checked:
         for t, r in results.items()
         if not r.ok or r.result != {"n": task_ids[t], "total": expected_total(task_ids[t], K)}
     ]
-    check(
-        demo.console,
+    demo.out.check(
         failures,
         not wrong,
         f"all {len(results)} results correct (total = expected_total(n, {K}))",
         f"{len(wrong)} wrong results, e.g. {wrong[:3]}",
     )
     lost = len(task_ids) - len(results)
-    check(
-        demo.console,
+    demo.out.check(
         failures,
         len(results) == len(task_ids) == TASKS,
         f"{len(results)} distinct results for {len(task_ids)} submitted tasks "
@@ -92,8 +90,7 @@ async def check_all(demo: Demo, driven: Driven, failures: list[str]) -> Checked:
         "stopped with SIGTERM: " + ", ".join(f"{name} exit {code}" for name, code in codes.items())
     )
     stopped_ok = all(code == 0 for code in codes.values()) and len(codes) == WORKERS + 1
-    check(
-        demo.console,
+    demo.out.check(
         failures,
         stopped_ok,
         f"every surviving worker and the projection runner exited 0 ({len(codes)} processes)",
@@ -115,72 +112,69 @@ async def check_all(demo: Demo, driven: Driven, failures: list[str]) -> Checked:
     return Checked(wrong, lost, duplicated, taken_over, verified, projection, codes, stopped_ok)
 
 
-def check(console: Console, failures: list[str], ok: bool, good: str, bad: str) -> None:
-    console.print(f"  {'ok  ' if ok else 'FAIL'} {good if ok else bad}", markup=False)
-    if not ok:
-        failures.append(bad)
-
-
 async def check_log(demo: Demo, task_ids: list[str], failures: list[str]) -> tuple[int, int]:
-    """The event log's checks; (tasks with a step recorded more than once, tasks the killed
-    worker paused that another worker completed)."""
+    """The event log's checks (:func:`check_streams`) on the demo's database."""
     store = PostgresEventStore.from_url(demo.database_url, pool_size=4)
-    killed_id = f"demo-{demo.killed.name}" if demo.killed else None
     try:
-        counts: collections.Counter[str] = collections.Counter()
-        bad_counts: list[str] = []
-        broken_chains: list[str] = []
-        moved = taken_over = duplicated = 0
-        writers: collections.Counter[str] = collections.Counter()
-        for task_id in task_ids:
-            events = await store.read_stream(task_id)
-            types = collections.Counter(e.event_type for e in events)
-            counts.update(types)
-            duplicated += (
-                types["TaskCompleted"] > 1
-                or types["TaskResumed"] > 1
-                or types["SubtaskClaimed"] > K
-            )
-            if (types["TaskCompleted"], types["TaskResumed"], types["SubtaskClaimed"]) != (
-                1,
-                1,
-                K,
-            ):
-                bad_counts.append(f"{task_id}: {dict(types)}")
-            previous = GENESIS_HASH
-            for event in events:
-                if (
-                    event.prev_hash != previous
-                    or chain_hash(previous, event.hash_body()) != event.hash
-                ):
-                    broken_chains.append(f"{task_id} v{event.stream_version}")
-                    break
-                previous = event.hash
-            by_type = {e.event_type: e.metadata.get("worker_id") for e in events}
-            writers.update(str(e.metadata.get("worker_id")) for e in events)
-            if by_type.get("TaskPaused") != by_type.get("TaskCompleted"):
-                moved += 1
-                taken_over += by_type.get("TaskPaused") == killed_id
         others = await _other_streams(store, task_ids)
+        killed_id = f"demo-{demo.killed.name}" if demo.killed else None
+        return await check_streams(demo.out, store, task_ids, others, killed_id, failures)
     finally:
         await store.close()
-    check(
-        demo.console,
+
+
+async def check_streams(
+    out: Output,
+    store: EventStore,
+    task_ids: list[str],
+    others: dict[str, list[str]],
+    killed_id: str | None,
+    failures: list[str],
+) -> tuple[int, int]:
+    """The event log's checks, on any store: every task's stream as the plan says, its hash
+    chain, and no stream (``others``: the event types of every stream but the tasks') but the
+    tasks' and those of researchers' tasks run again after the kill; (tasks with a step
+    recorded more than once, tasks the killed worker ``killed_id`` paused that another worker
+    completed)."""
+    counts: collections.Counter[str] = collections.Counter()
+    bad_counts: list[str] = []
+    broken_chains: list[str] = []
+    moved = taken_over = duplicated = 0
+    writers: collections.Counter[str] = collections.Counter()
+    for task_id in task_ids:
+        events = await store.read_stream(task_id)
+        types = collections.Counter(e.event_type for e in events)
+        counts.update(types)
+        duplicated += (
+            types["TaskCompleted"] > 1 or types["TaskResumed"] > 1 or types["SubtaskClaimed"] > K
+        )
+        if (types["TaskCompleted"], types["TaskResumed"], types["SubtaskClaimed"]) != (1, 1, K):
+            bad_counts.append(f"{task_id}: {dict(types)}")
+        previous = GENESIS_HASH
+        for event in events:
+            if event.prev_hash != previous or chain_hash(previous, event.hash_body()) != event.hash:
+                broken_chains.append(f"{task_id} v{event.stream_version}")
+                break
+            previous = event.hash
+        by_type = {e.event_type: e.metadata.get("worker_id") for e in events}
+        writers.update(str(e.metadata.get("worker_id")) for e in events)
+        if by_type.get("TaskPaused") != by_type.get("TaskCompleted"):
+            moved += 1
+            taken_over += by_type.get("TaskPaused") == killed_id
+    out.check(
         failures,
         not bad_counts,
         f"every task's stream has exactly 1 TaskCompleted, 1 TaskResumed and {K} SubtaskClaimed",
         f"{len(bad_counts)} streams with other counts, e.g. {bad_counts[:3]}",
     )
-    check(
-        demo.console,
+    out.check(
         failures,
         not broken_chains,
         f"hash chains of all {len(task_ids)} streams verify",
         f"{len(broken_chains)} broken hash chains, e.g. {broken_chains[:3]}",
     )
     unplanned = unplanned_streams(task_ids, others, K, rounds=1)
-    check(
-        demo.console,
+    out.check(
         failures,
         not unplanned,
         f"the log holds {len(task_ids) + len(others)} streams: one per task, and "
@@ -189,9 +183,9 @@ async def check_log(demo: Demo, task_ids: list[str], failures: list[str]) -> tup
         f"{len(unplanned)} streams of no task and of no researcher's task run again, "
         f"e.g. {unplanned[:3]}",
     )
-    demo.note(f"events: {dict(sorted(counts.items()))}")
-    demo.note(f"events written per worker: {dict(sorted(writers.items()))}")
-    demo.note(
+    out.note(f"events: {dict(sorted(counts.items()))}")
+    out.note(f"events written per worker: {dict(sorted(writers.items()))}")
+    out.note(
         f"tasks paused on one worker and completed on another: {moved} "
         f"({taken_over} paused by the killed worker)"
     )
@@ -202,8 +196,7 @@ async def check_verify(demo: Demo, failures: list[str]) -> tuple[bool, str]:
     """``waystation verify`` of the whole log: (it exited 0, its summary line)."""
     code, output = await demo.cli("verify")
     summary = output.strip().splitlines()[-1] if output.strip() else "(no output)"
-    check(
-        demo.console,
+    demo.out.check(
         failures,
         code == 0,
         f"waystation verify: {summary}",
@@ -224,8 +217,7 @@ async def check_projection(demo: Demo, failures: list[str]) -> tuple[bool, str]:
             break
         await asyncio.sleep(0.2)
     caught_up = behind == 0 and paused == 0
-    check(
-        demo.console,
+    demo.out.check(
         failures,
         caught_up,
         f"the {PROJECTION} projection applied the whole log: no task still paused",
@@ -234,8 +226,7 @@ async def check_projection(demo: Demo, failures: list[str]) -> tuple[bool, str]:
     )
     code, output = await demo.cli("projections", "rebuild", PROJECTION, "--check")
     lines = output.strip().splitlines()
-    check(
-        demo.console,
+    demo.out.check(
         failures,
         code == 0,
         f"waystation projections rebuild {PROJECTION} --check: "

@@ -1,19 +1,13 @@
 """The demo's drive: 500 tasks submitted at a pace, one worker SIGKILLed in the middle of a burst
-and replaced, and the progress shown until every result is in: a live bar on a terminal, a
-plain line about once a second elsewhere (CI, a pipe)."""
+and replaced, and the progress shown until every result is in (:mod:`.output`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
-
-from rich.console import RenderableType
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.text import Text
 
 from scripts.lab.harness.broker import broker_counters
 from waystation.client import Client
@@ -94,7 +88,7 @@ async def follow(
 ) -> int:
     """Show the progress until every result is in (or the time is up); the results in."""
     deadline = time.monotonic() + TASKS / SUBMIT_PER_S + RESULT_TIMEOUT
-    with progress(demo) as show:
+    with demo.out.progress(TASKS) as show:
         while True:
             await asyncio.sleep(0.2)
             done = sum(1 for t in task_ids if t in client.results)
@@ -109,87 +103,3 @@ async def follow(
                     f"after the last submission"
                 )
                 return done
-
-
-@contextlib.contextmanager
-def progress(demo: Demo) -> Iterator[Callable[[int, int, int | None, int], None]]:
-    """A function to call with (completed, submitted, paused, workers alive): a live bar on a
-    terminal, else a plain line about once a second (and the last one at the end)."""
-    if not demo.live:
-        plain = _PlainProgress(demo.say)
-        try:
-            yield plain.update
-        finally:
-            plain.flush()
-        return
-    bar = _LiveProgress(
-        TextColumn("[bold]tasks"),
-        BarColumn(bar_width=40),
-        MofNCompleteColumn(),
-        TextColumn("completed"),
-        TimeElapsedColumn(),
-        console=demo.console,
-        refresh_per_second=10,
-    )
-    task = bar.add_task("tasks", total=TASKS, counts=_counts(0, 0, 0, len(demo.alive())))
-
-    def live(done: int, submitted: int, paused: int | None, alive: int) -> None:
-        bar.update(task, completed=done, counts=_counts(done, submitted, paused, alive))
-
-    with bar:
-        yield live
-
-
-def _counts(done: int, submitted: int, paused: int | None, alive: int) -> dict[str, str]:
-    """What the progress shows besides the bar; in flight = submitted - completed - paused (in
-    the queues or in a handler). The projection can lag a moment behind the results: never
-    show more paused than not completed, nor fewer than 0 in flight."""
-    if paused is None:  # the projection could not be read this time
-        shown, in_flight = "?", "?"
-    else:
-        paused = min(paused, submitted - done)
-        shown, in_flight = str(paused), str(submitted - done - paused)
-    return {
-        "paused": shown,
-        "in_flight": in_flight,
-        "submitted": str(submitted),
-        "alive": str(alive),
-    }
-
-
-class _LiveProgress(Progress):
-    """The bar, and under it the counts: paused, in flight, submitted, workers alive."""
-
-    def get_renderables(self) -> Iterator[RenderableType]:
-        yield self.make_tasks_table(self.tasks)
-        for task in self.tasks:
-            counts = task.fields["counts"]
-            yield Text.from_markup(
-                f"      [yellow]{counts['paused']:>3}[/] paused on peers   "
-                f"[cyan]{counts['in_flight']:>3}[/] in flight   "
-                f"{counts['submitted']:>3} submitted   {counts['alive']} workers alive"
-            )
-
-
-class _PlainProgress:
-    """Progress for a pipe or a log: a line about once a second, no escape codes."""
-
-    def __init__(self, say: Callable[[str], None]) -> None:
-        self.say = say
-        self.pending: str | None = None
-        self.printed = 0.0
-
-    def update(self, done: int, submitted: int, paused: int | None, alive: int) -> None:
-        counts = _counts(done, submitted, paused, alive)
-        self.pending = (
-            f"completed {done:3d}/{TASKS}, paused {counts['paused']:>3}, in flight "
-            f"{counts['in_flight']:>3}, submitted {submitted:3d}, workers alive {alive}"
-        )
-        if time.monotonic() - self.printed >= 1.0:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.pending is not None:
-            self.printed = time.monotonic()
-            self.say(self.pending)
-            self.pending = None

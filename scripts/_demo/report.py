@@ -1,26 +1,12 @@
-"""The demo's report: the summary table of what held, printed at the end."""
+"""The demo's report: the rows of the summary of what held, printed at the end."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-
-from rich.markup import escape
-from rich.table import Table
 
 from . import PROJECTION, TASKS
 from .check import Checked
 from .drive import Driven
+from .output import Line
 from .setup import Demo
-
-
-@dataclass
-class Line:
-    """One row of the final summary."""
-
-    what: str
-    value: str
-    ok: bool | None = None
-    """None: information, not a check."""
 
 
 def summary_lines(demo: Demo, driven: Driven, checked: Checked) -> list[Line]:
@@ -50,15 +36,3 @@ def summary_lines(demo: Demo, driven: Driven, checked: Checked) -> list[Line]:
             checked.stopped_ok,
         ),
     ]
-
-
-def summary_table(lines: list[Line], elapsed: float, passed: bool) -> Table:
-    table = Table(title="Waystation demo: summary", title_justify="left", show_header=False)
-    table.add_column("check")
-    table.add_column("what")
-    table.add_column("value")
-    for line in [*lines, Line("elapsed", f"{elapsed:.1f}s")]:
-        mark = "" if line.ok is None else ("[green]ok[/]" if line.ok else "[bold red]FAIL[/]")
-        table.add_row(mark, line.what, escape(line.value))
-    table.add_row("", "[bold]result", "[bold green]PASSED" if passed else "[bold red]FAILED")
-    return table

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rich.console import Console
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -39,18 +38,18 @@ from waystation.projections.postgres import projection_status
 from waystation.settings import Settings
 
 from . import AGENTS, DATABASE, PREFIX, PROJECTION, WORKERS
+from .output import Output
 
 if TYPE_CHECKING:
-    from .report import Line
+    from .output import Line
 
 CLI_TIMEOUT = 60.0
 
 
 class Demo:
-    """What a demo run holds: its URLs, processes, logs and console; what the phases add."""
+    """What a demo run holds: its URLs, processes, logs and output; what the phases add."""
 
-    def __init__(self) -> None:
-        base = Settings()
+    def __init__(self, base: Settings) -> None:
         self.amqp_url = base.amqp_url
         self.database_url = with_database(base.database_url, DATABASE)
         self.names = deployment_names(PREFIX)
@@ -65,11 +64,7 @@ class Demo:
         self.summary: list[Line] = []
         self.cleanup_errors: list[str] = []
         self.started = time.monotonic()
-        self.console = Console(highlight=False, soft_wrap=True)
-        self.live = self.console.is_terminal
-        """A live progress bar on a terminal; plain lines elsewhere (CI, a pipe)."""
-        if not self.live and "COLUMNS" not in os.environ:
-            self.console.width = 100  # not 80: the summary table stays one line a row
+        self.out = Output(self.started)
         policy = os.environ.get("WAYSTATION_BROKER_POLICY", "auto")
         self.policy = (
             policy
@@ -78,11 +73,10 @@ class Demo:
         )
 
     def say(self, message: str) -> None:
-        """A line with the time since the start (above the progress bar while it is shown)."""
-        self.console.print(f"[{time.monotonic() - self.started:5.1f}s] {message}", markup=False)
+        self.out.say(message)
 
     def note(self, message: str) -> None:
-        self.console.print(f"       {message}", markup=False)
+        self.out.note(message)
 
     async def prepare(self) -> None:
         """The database (dropped first if a previous demo left it), the queues of a previous demo
