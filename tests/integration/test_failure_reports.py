@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from scripts.lab.harness.processes import WorkerProcess
-from waystation.agent import App, HandlerFailure, TaskContext
+from waystation.agent import App, HandlerFailure, TaskContext, TaskObserver
 from waystation.client import Client, TaskResult
 from waystation.events import Call, Complete, Outcome, Pause
 from waystation.events.postgres import PostgresEventStore
@@ -51,8 +51,8 @@ class Broken:
         raise RuntimeError("the observer itself is broken")
 
 
-def app_with(*observers: object) -> App:
-    app = App(observers=observers)  # type: ignore[arg-type]
+def app_with(*observers: TaskObserver) -> App:
+    app = App(observers=observers)
 
     @app.agent("broken", retries=2, backoff=QUICK)
     async def broken(task: TaskContext) -> Outcome:
@@ -108,7 +108,9 @@ def call_watched(
     extra_agents.extend(AGENTS)
     caplog.set_level(logging.WARNING)
 
-    async def call(agent: str, *observers: object, **changes: object) -> tuple[TaskResult, Worker]:
+    async def call(
+        agent: str, *observers: TaskObserver, **changes: object
+    ) -> tuple[TaskResult, Worker]:
         config = settings.model_copy(update=changes)
         async with (
             running_worker(app_with(*observers), config, store) as worker,

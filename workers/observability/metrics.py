@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -255,7 +255,8 @@ class HttpServer:
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         chosen = self.port is None
-        for port in DEFAULT_PORTS if chosen else (self.port,):
+        candidates: Sequence[int] = DEFAULT_PORTS if self.port is None else (self.port,)
+        for port in candidates:
             site = web.TCPSite(self._runner, self.host, port)
             try:
                 await site.start()
