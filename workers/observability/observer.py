@@ -128,10 +128,11 @@ class Observer:
             level, then = logging.ERROR, "; the task fails"
         log.log(
             level,
-            "task %s: the handler of %s raised %s (attempt %d of %d%s)%s",
+            "task %s: the handler of %s raised %s: %.200s (attempt %d of %d%s)%s",
             failure.task_id,
             failure.agent,
             type(failure.error).__name__,
+            failure.error,
             failure.attempt,
             failure.attempts,
             f", resumed from pause {failure.pause}" if failure.pause else "",
