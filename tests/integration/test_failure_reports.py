@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import orjson
@@ -102,18 +102,24 @@ def call_watched(
     extra_agents: list[str],
     caplog: pytest.LogCaptureFixture,
 ) -> CallWatched:
-    """``call(agent, *observers, **settings)``: one task of ``agent`` through a worker (in this
-    process, on the real services) of ``app_with(*observers)``; its result, and the worker
-    (stopped: its counters stay). The test's ``caplog`` keeps its WARNING and ERROR lines."""
+    """``call(agent, *observers, worker_observers=(), **settings)``: one task of ``agent``
+    through a worker (in this process, on the real services) of ``app_with(*observers)``, with
+    ``worker_observers`` of its own; its result, and the worker (stopped: its counters stay).
+    The test's ``caplog`` keeps its WARNING and ERROR lines."""
     extra_agents.extend(AGENTS)
     caplog.set_level(logging.WARNING)
 
     async def call(
-        agent: str, *observers: TaskObserver, **changes: object
+        agent: str,
+        *observers: TaskObserver,
+        worker_observers: Sequence[TaskObserver] = (),
+        **changes: object,
     ) -> tuple[TaskResult, Worker]:
         config = settings.model_copy(update=changes)
         async with (
-            running_worker(app_with(*observers), config, store) as worker,
+            running_worker(
+                app_with(*observers), config, store, observers=worker_observers
+            ) as worker,
             Client(config.amqp_url, queue_prefix=config.queue_prefix) as client,
         ):
             return await client.call(agent, {}, timeout=30), worker
@@ -156,11 +162,12 @@ async def test_every_failed_attempt_is_logged_with_its_traceback_and_told_to_the
 async def test_a_permanent_error_is_logged_and_told_once(
     call_watched: CallWatched, caplog: pytest.LogCaptureFixture
 ) -> None:
-    recording = Recording()
-    result, _ = await call_watched("hopeless", recording)
+    recording, the_workers = Recording(), Recording()
+    result, _ = await call_watched("hopeless", recording, worker_observers=[the_workers])
     assert result.status == "error" and result.error["type"] == "Permanent"
     [told] = [f for f in recording.failures if f.task_id == result.task_id]
     assert (told.attempt, told.attempts, told.will_retry) == (1, 5, False)
+    assert the_workers.failures == [told], "a Worker's own observers are told too"
     [record] = failure_records(caplog, result.task_id)
     assert record.levelname == "ERROR" and record.exc_info is not None
 
