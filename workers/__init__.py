@@ -1,7 +1,8 @@
 """Waystation: a broker-driven, event-sourced worker pool for agents that call other agents.
 
 The public API: an :class:`App` of agents whose handlers :class:`Complete` or :class:`Pause` on
-:class:`Call` s to other agents (each run wrapped by the app's :class:`Interceptor` s, if any),
+:class:`Call` s to other agents (each run wrapped by the app's :class:`Interceptor` s, if any;
+its :class:`TaskObserver` s told of each :class:`HandlerFailure`),
 the :class:`Worker` that serves them, and the :class:`Client` that submits tasks. The log is
 ``waystation.events``, its read models ``waystation.projections``, the schema's migrations
 ``waystation.migrations``; the command line is ``waystation.cli``.
@@ -15,7 +16,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from waystation.agent import AgentSpec, App, Handler, Interceptor, TaskContext
+from waystation.agent import (
+    AgentSpec,
+    App,
+    Handler,
+    HandlerFailure,
+    Interceptor,
+    TaskContext,
+    TaskObserver,
+)
 from waystation.events import Call, CallResult, Complete, Outcome, Pause
 from waystation.policies import Backoff, Permanent, PolicyError, Rate, TimeLimitExceeded
 from waystation.settings import Settings
@@ -46,6 +55,7 @@ __all__ = [
     "Client",
     "Complete",
     "Handler",
+    "HandlerFailure",
     "Interceptor",
     "Outcome",
     "Pause",
@@ -54,6 +64,7 @@ __all__ = [
     "Rate",
     "Settings",
     "TaskContext",
+    "TaskObserver",
     "TaskResult",
     "TimeLimitExceeded",
     "Worker",

@@ -29,6 +29,10 @@ themselves: the runtime records the outcome first and settles the message after.
 An :class:`Interceptor` wraps every run of every handler of an app (``App(interceptors=[...])``):
 what it returns or raises is what the run returned or raised. It sees the task, never the
 message, the log or the settlement.
+
+A :class:`TaskObserver` is told of every failed run of a handler (``App(observers=[...])``):
+its ``on_failure`` gets a :class:`HandlerFailure` (the task, the agent, the attempt, whether it
+will be retried, and the exception with its traceback), to send on to Sentry or the like.
 """
 
 from __future__ import annotations
@@ -57,8 +61,10 @@ __all__ = [
     "BlockingHandler",
     "CallNext",
     "Handler",
+    "HandlerFailure",
     "Interceptor",
     "TaskContext",
+    "TaskObserver",
 ]
 
 
@@ -115,6 +121,42 @@ class Interceptor(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class HandlerFailure:
+    """A run of a handler that raised (or that an interceptor, or its time limit, made fail)."""
+
+    task_id: str
+    agent: str
+    attempt: int
+    """Which run of the handler this was, from 1 (a resumed task counts its resumed runs anew)."""
+    attempts: int
+    """The most runs the agent's policy allows: the first and its ``retries``."""
+    will_retry: bool
+    """Whether the task is tried again; False when it fails with this error: the last attempt,
+    a ``Permanent`` error, or an outcome that can never be recorded."""
+    error: BaseException
+    """What was raised, with its ``__traceback__``."""
+    pause: int = 0
+    """The pause the run resumed from; 0 on the first run."""
+    retry_in: float | None = None
+    """Seconds the next attempt waits (the agent's backoff), when there is one."""
+
+
+class TaskObserver(Protocol):
+    """Told what happens to tasks, beside the worker's own logs and metrics.
+
+    ``on_failure`` is called once per failed run of a handler: a first run, a retry, a resumed
+    run (by message or in place), before the task is retried or failed. It is a plain method,
+    called on the event loop: keep it quick and hand slow work to a thread or a task of your
+    own (Sentry's ``capture_exception`` only queues the event). What it raises is logged and
+    ignored: an observer never changes what becomes of the task. Declared on the app,
+    ``App(observers=[...])`` (a ``Worker`` may add its own after them). Subclassing is optional:
+    any object with such an ``on_failure`` is one."""
+
+    def on_failure(self, failure: HandlerFailure) -> None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
 class AgentSpec:
     name: str
     handler: Handler | BlockingHandler
@@ -164,9 +206,15 @@ class AgentSpec:
 class App:
     """A registry of agents; a worker serves every agent of its app."""
 
-    def __init__(self, *, interceptors: Sequence[Interceptor] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        interceptors: Sequence[Interceptor] = (),
+        observers: Sequence[TaskObserver] = (),
+    ) -> None:
         self._agents: dict[str, AgentSpec] = {}
         self._interceptors = checked_interceptors(interceptors)
+        self._observers = checked_observers(observers)
 
     def agent(
         self,
@@ -233,6 +281,11 @@ class App:
         """What wraps every run of the app's handlers, outermost first."""
         return self._interceptors
 
+    @property
+    def observers(self) -> tuple[TaskObserver, ...]:
+        """What is told of every failed run of the app's handlers, in order."""
+        return self._observers
+
 
 def checked_interceptors(interceptors: Sequence[Interceptor]) -> tuple[Interceptor, ...]:
     """``interceptors`` as a tuple, each checked to have an ``async def run`` (a ``TypeError``
@@ -247,6 +300,23 @@ def checked_interceptors(interceptors: Sequence[Interceptor]) -> tuple[Intercept
                 f"an interceptor has a coroutine method run(task, call_next): {interceptor!r}"
             )
     return tuple(interceptors)
+
+
+def checked_observers(observers: Sequence[TaskObserver]) -> tuple[TaskObserver, ...]:
+    """``observers`` as a tuple, each checked to have a plain ``on_failure`` method (a
+    ``TypeError`` at import time, not at the first failure)."""
+    if isinstance(observers, (str, bytes)) or not isinstance(observers, Sequence):
+        raise TypeError(f"observers= takes a list of observers, not {observers!r}")
+    for observer in observers:
+        if isinstance(observer, type):
+            raise TypeError(f"observers= takes instances, not the class {observer.__name__}")
+        on_failure = getattr(observer, "on_failure", None)
+        if not callable(on_failure) or _is_async(on_failure):
+            raise TypeError(
+                "an observer has a plain (not async) method on_failure(failure); hand slow "
+                f"work to a thread or a task of your own: {observer!r}"
+            )
+    return tuple(observers)
 
 
 def _is_async(handler: Callable[..., Any]) -> bool:

@@ -137,9 +137,10 @@ class Settings(BaseSettings):
     """Database connections per worker, at most (all but two serve the hot path's statements on
     asyncpg connections of their own, two the rest on SQLAlchemy's;
     ``waystation.events.postgres.split_pool``); handlers wait for one when all are busy."""
-    metrics_port: int = Field(default=9464, ge=0, le=65535)
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
     """Port of the worker's (and the projection runner's) ``/metrics`` and ``/healthz``; 0 turns
-    the endpoint off. Two processes on one host need two ports."""
+    the endpoint off. Unset: the first free port from 9464 to 9563, so that several processes
+    on one host each get one (the port taken is logged); set, that port or an error."""
     metrics_host: str = "0.0.0.0"
     """Address the metrics endpoint listens on (``127.0.0.1`` keeps it local)."""
     worker_id: str = Field(default_factory=_default_worker_id)

@@ -4,6 +4,7 @@ if any), and the rows of the read models."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -71,13 +72,15 @@ _STATUS = text(
 )
 
 
-async def projection_status(engine: AsyncEngine) -> list[ProjectionStatus]:
-    """The status of every projection (a projection never run is at position zero), with
-    what holds the log's horizon back."""
+async def projection_status(
+    engine: AsyncEngine, names: Sequence[str] | None = None
+) -> list[ProjectionStatus]:
+    """The status of every projection, or of those ``names`` (a projection never run is at
+    position zero, ``updated_at`` None), with what holds the log's horizon back."""
     holder = await horizon_holder(engine)
     statuses = []
     async with engine.connect() as connection:
-        for name in PROJECTIONS:
+        for name in PROJECTIONS if names is None else names:
             row = (
                 await connection.execute(_STATUS, {"name": name, "namespace": _LOCK_NAMESPACE})
             ).one()

@@ -158,3 +158,24 @@ async def test_without_interceptors_the_handler_is_called_as_it_is(
     runner = flows()
     assert runner.interceptors == ()
     assert await runner.run_handler(app["echo"], context("hi")) == Complete("hi")
+
+
+def test_an_app_takes_observers_with_a_plain_on_failure_and_refuses_others() -> None:
+    class Told:
+        def on_failure(self, failure: Any) -> None:
+            return None
+
+    class Awaiting:
+        async def on_failure(self, failure: Any) -> None:
+            return None
+
+    told = Told()
+    assert App(observers=[told]).observers == (told,)
+    with pytest.raises(TypeError, match=r"plain \(not async\) method on_failure"):
+        App(observers=[Awaiting()])
+    with pytest.raises(TypeError, match=r"plain \(not async\) method on_failure"):
+        App(observers=[object()])
+    with pytest.raises(TypeError, match="takes instances, not the class Told"):
+        App(observers=[Told])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="a list of observers"):
+        App(observers=told)  # type: ignore[arg-type]

@@ -61,13 +61,14 @@ def print_projection_status(statuses: list[ProjectionStatus]) -> None:
     for s in statuses:
         click.echo(
             f"{s.name:<14} {s.position.global_position:>10} {s.events:>9} {s.behind:>8} "
-            f"{_age(s.lag_seconds):>7}  {'active' if s.active else 'none'}"
+            f"{readable_age(s.lag_seconds):>7}  {'active' if s.active else 'none'}"
         )
     if statuses and statuses[0].horizon is not None:  # the same for every projection
         click.echo(f"horizon held by {statuses[0].horizon.describe()}")
 
 
-def _age(seconds: float) -> str:
+def readable_age(seconds: float) -> str:
+    """``seconds`` as a short age: ``4.2s``, ``3.1m``, ``2.0h``."""
     if seconds < 60:
         return f"{seconds:.1f}s"
     if seconds < 3600:

@@ -1,9 +1,10 @@
 """The long-running processes: ``worker`` and ``projections run``.
 
-Both run until SIGTERM or SIGINT, serve /metrics and /healthz, put the worker id on every log
-line, and end with a clear line and exit 1 when the metrics port is taken. ``projections run``
-is registered under the ``projections`` group (see the package), but lives here for that shared
-harness rather than with the one-shot ``projections`` commands in ``admin``.
+Both run until SIGTERM or SIGINT, serve /metrics and /healthz (on the first free port from 9464
+unless WAYSTATION_METRICS_PORT sets one), put the worker id on every log line, and end with a
+clear line and exit 1 when the port set is taken (or every port they may choose is).
+``projections run`` is registered under the ``projections`` group (see the package), but lives
+here for that shared harness rather than with the one-shot ``projections`` commands in ``admin``.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def _log_as_worker(worker_id: str) -> None:
 
 
 def _run_service(coroutine: Coroutine[Any, Any, None]) -> None:
-    """Run a long-lived process; a port it cannot listen on ends it with a clear line, exit 1."""
+    """Run a long-lived process; a metrics port it cannot listen on ends it with a clear line,
+    exit 1."""
     from waystation.observability.metrics import MetricsPortUnavailable
 
     try:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from waystation.cli.admin import print_projection_status
+from waystation.cli.admin import print_projection_status, readable_age
 from waystation.cli.wiring import load_settings, open_store, run, with_projection_engine
 from waystation.events.codec import dumps, loads
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from waystation.projections.postgres import ProjectionStatus
     from waystation.settings import Settings
 
-__all__ = ["cancel", "dead_letters", "list_paused_tasks", "status", "submit"]
+__all__ = ["cancel", "dead_letters", "lag_warning", "list_paused_tasks", "status", "submit"]
 
 
 @click.command()
@@ -200,20 +200,28 @@ def _print_letters(letters: list[DeadLetter], as_json: bool) -> None:
 def list_paused_tasks(agent: str | None, status: str | None, limit: int, as_json: bool) -> None:
     """List paused tasks (the paused-tasks projection), oldest pause first.
 
-    A task appears from its first pause until it completes, fails or is cancelled.
+    A task appears from its first pause until it completes, fails or is cancelled. When the
+    projection has never run, or is behind the log (no `waystation projections run` is active,
+    or it lags), a line on stderr says so: the list may then miss tasks or show them as they
+    were. --json prints the rows alone on stdout either way.
     """
-    from waystation.projections.postgres import paused_tasks
-
-    rows = run(
+    rows, projection = run(
         with_projection_engine(
-            load_settings(), paused_tasks, agent=agent, status=status, limit=limit
+            load_settings(), _paused_tasks_and_projection, agent=agent, status=status, limit=limit
         )
     )
+    stale = lag_warning(projection, datetime.now(UTC))
+    if stale is not None:
+        click.echo(stale, err=True)
     if as_json:
         click.echo(dumps(rows).decode())
         return
     if not rows:
-        click.echo("no paused tasks")
+        click.echo(
+            "no paused tasks"
+            if stale is None
+            else "no paused tasks known: the projection trails the log"
+        )
         return
     click.echo(
         f"{'task':<38} {'agent':<16} {'pause':>5} {'results':>8}  {'paused since (UTC)':<19}  "
@@ -226,6 +234,49 @@ def list_paused_tasks(agent: str | None, status: str | None, limit: int, as_json
             f"{_moment(row['paused_since']):<19}  {_moment(row['earliest_deadline']):<19}  "
             f"{row['status']}"
         )
+
+
+async def _paused_tasks_and_projection(
+    engine: AsyncEngine, **filters: Any
+) -> tuple[list[dict[str, Any]], ProjectionStatus]:
+    """The rows, and where the projection stood just before they were read (so that a status
+    found up to date vouches for them)."""
+    from waystation.projections.postgres import paused_tasks, projection_status
+
+    [projection] = await projection_status(engine, ["paused_tasks"])
+    return await paused_tasks(engine, **filters), projection
+
+
+ACTIVE_LAG_TOLERATED = 10.0
+"""Seconds an active runner's oldest unapplied event may be old before ``tasks`` warns."""
+
+LAG_ADVICE = "start `waystation projections run`, or see `waystation projections status`"
+
+
+def lag_warning(projection: ProjectionStatus, now: datetime) -> str | None:
+    """What to tell a reader of the paused-tasks projection about how far it trails the log,
+    or None when it is up to date (or trails only briefly, with a runner active)."""
+    name = "the paused-tasks projection"
+    if projection.behind == 0:
+        return None
+    if projection.updated_at is None:
+        return (
+            f"{name} has never run: none of the {projection.behind} events in the log is "
+            f"applied, so paused tasks may be missing; {LAG_ADVICE}"
+        )
+    applied = readable_age((now - projection.updated_at).total_seconds())
+    if not projection.active:
+        return (
+            f"{name} is {projection.behind} events behind the log (last applied {applied} ago) "
+            f"and no runner is active, so paused tasks may be missing or out of date; {LAG_ADVICE}"
+        )
+    if projection.lag_seconds > ACTIVE_LAG_TOLERATED:
+        return (
+            f"{name} is {projection.behind} events behind the log (its oldest unapplied event "
+            f"is {readable_age(projection.lag_seconds)} old) although a runner is active; see "
+            "`waystation projections status`"
+        )
+    return None
 
 
 def _moment(value: datetime | None) -> str:

@@ -11,6 +11,9 @@ id finds its lines. When the task's trace id as Waystation carries it is somethi
 publisher's ``x-waystation-trace-id``, or the task's own id), that is printed too, as
 ``waystation_trace_id``.
 
+A line may add fields of its own, as ``extra={"fields": {"agent": ..., "attempt": 2}}``: a JSON
+line has them beside the context's (a handler's failure has its agent and attempt so).
+
 ``WAYSTATION_LOG_FORMAT`` chooses: ``json`` (one object per line), ``text``, or ``auto`` (text
 when stderr is a terminal, JSON otherwise, e.g. in a container).
 """
@@ -72,7 +75,8 @@ def current_context() -> dict[str, str]:
 
 
 class _ContextFilter(logging.Filter):
-    """Puts the worker id and the current message's context on every record."""
+    """Puts the worker id, the current message's context and the record's own ``fields`` (its
+    ``extra``) on every record."""
 
     def __init__(self, worker_id: str | None) -> None:
         super().__init__()
@@ -82,6 +86,7 @@ class _ContextFilter(logging.Filter):
         record.waystation = {
             **({"worker_id": self.worker_id} if self.worker_id else {}),
             **_printed(_context.get()),
+            **getattr(record, "fields", {}),
         }
         return True
 

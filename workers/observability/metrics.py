@@ -11,14 +11,18 @@ answers from the live connections, not from a thread's guess:
   Its ``horizon`` names the transaction holding back readers of the log (projections): pid,
   database, state, age; null when none does, absent when the database could not be asked.
 
+Several processes on one host each get a port of their own: unless ``WAYSTATION_METRICS_PORT``
+names one, the endpoint takes the first free port from 9464 (``DEFAULT_PORTS``) and logs it.
+
 The metric names and what each means are listed in docs/observability.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +44,10 @@ if TYPE_CHECKING:
 
     from waystation.events.postgres import HorizonHolder, PostgresEventStore
 
-__all__ = ["Health", "HttpServer", "Metrics", "MetricsPortUnavailable"]
+__all__ = ["DEFAULT_PORTS", "Health", "HttpServer", "Metrics", "MetricsPortUnavailable"]
+
+DEFAULT_PORTS = range(9464, 9564)
+"""Where the endpoint listens when no port is set: the first of these that is free."""
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +196,22 @@ class Metrics:
 
 
 class MetricsPortUnavailable(OSError):
-    """The metrics endpoint cannot listen where it was told to."""
+    """The metrics endpoint cannot listen where it was told to, or on any port it may choose."""
+
+
+def _refusal(host: str, port: int, error: OSError, *, chosen: bool) -> str:
+    """What an operator reads when ``port`` cannot be listened on: the one set, or one the
+    endpoint chose that fails for a reason other than being taken (the host, say)."""
+    if chosen:
+        return (
+            f"cannot serve metrics on {host}:{port} ({error.strerror}); check "
+            "WAYSTATION_METRICS_HOST, or set WAYSTATION_METRICS_PORT=0 to turn the endpoint off"
+        )
+    return (
+        f"cannot serve metrics on {host}:{port} ({error.strerror}): it is "
+        f"WAYSTATION_METRICS_PORT={port}; set another free port, leave it unset to take the "
+        f"first free one from {DEFAULT_PORTS.start}, or set 0 to turn the endpoint off"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +221,8 @@ class Health:
 
 
 class HttpServer:
-    """``/metrics`` and ``/healthz`` on ``host:port``; port 0 disables it (nothing listens)."""
+    """``/metrics`` and ``/healthz`` on ``host:port``; port 0 disables it (nothing listens), None
+    takes the first free port of ``DEFAULT_PORTS`` (``port`` is then the one taken)."""
 
     def __init__(
         self,
@@ -207,7 +230,7 @@ class HttpServer:
         health: Callable[[], Awaitable[Health]],
         *,
         host: str,
-        port: int,
+        port: int | None,
         refresh: Callable[[], Awaitable[None]] | None = None,
         refresh_timeout: float = 2.0,
         horizon: Callable[[], Awaitable[HorizonHolder | None]] | None = None,
@@ -222,7 +245,7 @@ class HttpServer:
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
-        if not self.port:
+        if self.port == 0:
             return
         from aiohttp import web  # here: a process that serves no metrics never imports it
 
@@ -231,18 +254,45 @@ class HttpServer:
         app.router.add_get("/healthz", self._healthz)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        try:
-            await site.start()
-        except OSError as error:
-            await self._runner.cleanup()
-            self._runner = None
+        chosen = self.port is None
+        candidates: Sequence[int] = DEFAULT_PORTS if self.port is None else (self.port,)
+        for port in candidates:
+            site = web.TCPSite(self._runner, self.host, port)
+            try:
+                await site.start()
+            except OSError as error:
+                await site.stop()
+                if chosen and error.errno == errno.EADDRINUSE:
+                    continue  # another process of this host has it: the next one
+                await self._give_up()
+                raise MetricsPortUnavailable(
+                    error.errno, _refusal(self.host, port, error, chosen=chosen)
+                ) from error
+            break
+        else:
+            await self._give_up()
             raise MetricsPortUnavailable(
-                error.errno,
-                f"cannot serve metrics on {self.host}:{self.port} ({error.strerror}); "
-                "set WAYSTATION_METRICS_PORT to a free port, or 0 to turn the endpoint off",
-            ) from error
-        log.info("metrics on http://%s:%d/metrics, health on /healthz", self.host, self.port)
+                errno.EADDRINUSE,
+                f"cannot serve metrics on {self.host}: every port from {DEFAULT_PORTS.start} to "
+                f"{DEFAULT_PORTS.stop - 1} is taken; set WAYSTATION_METRICS_PORT to a free port, "
+                "or 0 to turn the endpoint off",
+            )
+        self.port = port
+        first = DEFAULT_PORTS.start
+        log.info(
+            "metrics on http://%s:%d/metrics, health on /healthz%s",
+            self.host,
+            port,
+            f" (the first free port from {first}: WAYSTATION_METRICS_PORT is unset)"
+            if chosen
+            else "",
+            extra={"fields": {"metrics_port": port}},
+        )
+
+    async def _give_up(self) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+        self._runner = None
 
     async def stop(self) -> None:
         if self._runner is not None:

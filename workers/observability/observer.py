@@ -4,20 +4,29 @@ Every path of the worker reports to an :class:`Observer` once (``observer.dead_l
 instead of bumping a counter and a metric side by side. The observer keeps the plain counters a
 test or a benchmark reads (:class:`WorkerStats`, written to ``WAYSTATION_STATS_FILE`` when the
 worker stops) and updates the Prometheus series (``waystation.observability.metrics``).
+
+A failed run of a handler is told to :meth:`Observer.on_failure` once: it is logged with its
+traceback (WARNING when the task is tried again, ERROR when it fails) and passed on to the app's
+observers (``App(observers=[...])``, ``waystation.agent.TaskObserver``), whose mistakes are
+logged and never reach the worker.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from waystation.agent import HandlerFailure, TaskObserver
 from waystation.events import DomainEvent, TaskState
 from waystation.observability import tracing
 from waystation.observability.metrics import Metrics
 
 __all__ = ["FINISHED", "Observer", "WorkerStats"]
+
+log = logging.getLogger(__name__)
 
 FINISHED = {"TaskCompleted": "completed", "TaskFailed": "failed", "TaskCancelled": "cancelled"}
 """Terminal event types, and the status each one gives a task."""
@@ -45,10 +54,23 @@ class WorkerStats:
 class Observer:
     """Counts what a worker does, in its stats and its metrics at once."""
 
-    def __init__(self, metrics: Metrics | None = None, stats: WorkerStats | None = None) -> None:
+    def __init__(
+        self,
+        metrics: Metrics | None = None,
+        stats: WorkerStats | None = None,
+        observers: Iterable[TaskObserver] = (),
+    ) -> None:
         self.metrics = metrics or Metrics()
         self.stats = stats or WorkerStats()
+        self.observers: tuple[TaskObserver, ...] = ()
+        self.watch(observers)
         self._series: dict[tuple[Any, tuple[str, ...]], Any] = {}
+
+    def watch(self, observers: Iterable[TaskObserver]) -> None:
+        """Tell ``observers`` too (each once, however often it is given) of what happens."""
+        for observer in observers:
+            if not any(observer is known for known in self.observers):
+                self.observers = (*self.observers, observer)
 
     def _series_of(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, looked up once: prometheus_client checks the labels and
@@ -94,6 +116,44 @@ class Observer:
 
     def unreadable(self) -> None:
         self.metrics.unreadable.inc()
+
+    # ---- handlers --------------------------------------------------------------------------------
+
+    def on_failure(self, failure: HandlerFailure) -> None:
+        """A run of a handler failed: logged once, with its traceback and, as fields of a JSON
+        line, its task, agent and attempt; then each observer of the app is told."""
+        if failure.will_retry:
+            level, then = logging.WARNING, f"; retrying in {failure.retry_in or 0:.2f}s"
+        else:
+            level, then = logging.ERROR, "; the task fails"
+        log.log(
+            level,
+            "task %s: the handler of %s raised %s: %.200s (attempt %d of %d%s)%s",
+            failure.task_id,
+            failure.agent,
+            type(failure.error).__name__,
+            failure.error,
+            failure.attempt,
+            failure.attempts,
+            f", resumed from pause {failure.pause}" if failure.pause else "",
+            then,
+            exc_info=failure.error,
+            extra={
+                "fields": {
+                    "task_id": failure.task_id,
+                    "agent": failure.agent,
+                    "attempt": failure.attempt,
+                    "attempts": failure.attempts,
+                    "will_retry": failure.will_retry,
+                    "pause": failure.pause,
+                }
+            },
+        )
+        for observer in self.observers:
+            try:
+                observer.on_failure(failure)
+            except Exception:  # an observer's mistake never changes what becomes of the task
+                log.exception("observer %r failed in on_failure; ignored", observer)
 
     # ---- the log ------------------------------------------------------------------------------
 

@@ -32,7 +32,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from waystation.agent import AgentSpec, App, Interceptor, checked_interceptors
+from waystation.agent import (
+    AgentSpec,
+    App,
+    Interceptor,
+    TaskObserver,
+    checked_interceptors,
+    checked_observers,
+)
 from waystation.brokers.amqp.topology import amqp_user_of
 from waystation.brokers.port import Broker, BrokerError, BrokerUnavailable, Delivery
 from waystation.events import EventStore, OutboxMessage, StoreUnavailable, parse_subtask_id
@@ -84,7 +91,9 @@ class Worker:
     ``metrics``). ``tracer_provider`` is the application's OpenTelemetry provider for the spans
     of its tasks; by default the global one the application set, if any
     (``waystation.observability.tracing.provider``). ``interceptors`` wrap every handler run
-    after the app's own (``App(interceptors=...)``, ``waystation.agent.Interceptor``).
+    after the app's own (``App(interceptors=...)``, ``waystation.agent.Interceptor``), and
+    ``observers`` are told of every failed handler run after the app's own
+    (``App(observers=...)``, ``waystation.agent.TaskObserver``).
     """
 
     def __init__(
@@ -101,6 +110,7 @@ class Worker:
         clock: Callable[[], float] = time.time,
         tracer_provider: TracerProvider | None = None,
         interceptors: Sequence[Interceptor] = (),
+        observers: Sequence[TaskObserver] = (),
     ) -> None:
         self.app = app
         self.tracer_provider = tracer_provider
@@ -109,6 +119,7 @@ class Worker:
         self.names = Names(settings.queue_prefix, settings.reply_shards)
         self.broker = broker
         self.observer = observer or Observer(metrics)
+        self.observer.watch(app.observers + checked_observers(observers))
         self.observer.in_flight(lambda: self._inflight)
         faults = faults or FaultPlan(settings.fault_point, settings.fault_after)
         self.outbox = OutboxPublisher(

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from waystation.agent import AgentSpec, App, CallNext, Interceptor, TaskContext
+from waystation.agent import AgentSpec, App, CallNext, HandlerFailure, Interceptor, TaskContext
 from waystation.brokers.port import Broker, Delivery
 from waystation.events import (
     Complete,
@@ -303,7 +303,8 @@ class Steps:
         """Retry (a copy counting this failed run goes back to the queue, after the agent's
         backoff, waiting in the broker), or, on the last attempt (or for an error that trying
         again cannot help: ``Permanent``, an outcome that can never be recorded), record the
-        failure, answer the publisher with an error (through the outbox) and dead-letter."""
+        failure, answer the publisher with an error (through the outbox) and dead-letter. Either
+        way the failed run is told to the observer once (logged with its traceback)."""
         attempt = attempt_of(delivery)
         if spec is None and state.agent is not None:
             spec = self.app.agents.get(state.agent)
@@ -313,22 +314,24 @@ class Steps:
             else self.settings.delivery_limit
         )
         permanent = isinstance(error, (InvalidTransition, DeliveryLimitReached, Permanent))
-        if not permanent and attempt < limit:
-            delay = (spec.backoff if spec is not None else Backoff()).delay(attempt)
-            log.warning(
-                "task %s: handler raised %s (attempt %d of %d); retrying in %.2fs",
-                state.task_id,
-                error_of(error),
-                attempt,
-                limit,
-                delay,
+        again = not permanent and attempt < limit
+        delay = (spec.backoff if spec is not None else Backoff()).delay(attempt) if again else None
+        self.observer.on_failure(
+            HandlerFailure(
+                task_id=state.task_id,
+                agent=state.agent or (spec.name if spec is not None else "?"),
+                attempt=attempt,
+                attempts=limit,
+                will_retry=again,
+                error=error,
+                pause=state.pause,
+                retry_in=delay,
             )
+        )
+        if delay is not None:
             self.observer.count("handler_retries")
             return retry(attempt, delay)
         failure = error_of(error)
-        log.error(
-            "task %s failed for good after %d attempt(s): %s", state.task_id, attempt, failure
-        )
         self.observer.count("tasks_failed")
         applied = await self.recorder.append_decision(
             state.task_id,

@@ -11,9 +11,9 @@ decides again, and runs it again only if the task still resumes.
 
 from __future__ import annotations
 
-import logging
 import time
 
+from waystation.agent import HandlerFailure
 from waystation.events import (
     DomainEvent,
     InvalidTransition,
@@ -30,8 +30,6 @@ from waystation.runtime.decisions import Extension
 from waystation.runtime.flows.base import Steps, error_of, resume_context
 
 __all__ = ["run_in_place"]
-
-log = logging.getLogger(__name__)
 
 
 async def run_in_place(
@@ -74,27 +72,28 @@ async def run_in_place(
     except Exception as error:
         # the first run of this step: the agent's policy decides, as for any other run
         attempts = spec.attempts(steps.settings.delivery_limit)
-        if isinstance(error, (InvalidTransition, Permanent)) or attempts <= 1:
-            # trying again cannot help, or the agent allows no retry: fail now, in this append
-            log.error(
-                "task %s failed for good: its run resumed in place raised %s",
-                state.task_id,
-                error_of(error),
+        # trying again cannot help, or the agent allows no retry: fail now, in this append
+        final = isinstance(error, (InvalidTransition, Permanent)) or attempts <= 1
+        delay = None if final else spec.backoff.delay(1)
+        steps.observer.on_failure(
+            HandlerFailure(
+                task_id=state.task_id,
+                agent=spec.name,
+                attempt=1,
+                attempts=attempts,
+                will_retry=not final,
+                error=error,
+                pause=resumed.pause,
+                retry_in=delay,
             )
+        )
+        if delay is None:
             return Extension(
                 [*events, *decide_failure(resumed, error_of(error))],
                 checkpoint_started=None,
                 resumed_at=decided_at,
             )
-        delay = spec.backoff.delay(1)
-        log.warning(
-            "task %s: the resumed handler raised %s (attempt 1 of %d); a resume message "
-            "retries it in %.2fs",
-            state.task_id,
-            error_of(error),
-            attempts,
-            delay,
-        )
+        # a resume message retries it, counting this failed run
         steps.observer.count("resumes_handed_over")
         return Extension(
             events,
