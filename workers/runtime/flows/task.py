@@ -145,7 +145,8 @@ async def handle_task(steps: Steps, delivery: Delivery, spec: AgentSpec, payload
                         delivery.correlation_id,
                         envelope,
                         {HEADER_ROOT: root_id, HEADER_TRACE: trace_id},
-                    )
+                    ),
+                    agent=spec.name,
                 )
             except PublishRefused as refused:
                 # its queue refuses it for now (full): the completion is recorded after all, and
@@ -183,7 +184,8 @@ async def _already_recorded(steps: Steps, delivery: Delivery, state: TaskState) 
                     HEADER_ROOT: state.root_id or state.task_id,
                     HEADER_TRACE: state.trace_id or trace_id_of(delivery.headers, state.task_id),
                 },
-            )
+            ),
+            agent=state.agent,
         )
         steps.observer.count("results_answered_from_log")
     log.info("task %s is already recorded (%s); acking", state.task_id, state.status)
