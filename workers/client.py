@@ -72,7 +72,8 @@ class TaskLookup:
     task_id: str
     status: str
     """``completed``, ``failed``, ``cancelled``, ``paused``, ``resumed``, or ``unknown``: not in
-    the log (not run yet, or completed without calling peers, which records nothing: G10)."""
+    the log (not run yet, or completed without calling peers, which records nothing unless its
+    agent keeps its results: G10)."""
     result: TaskResult | None = None
     """The recorded outcome once the task has finished."""
 
@@ -263,9 +264,11 @@ class Client:
         Without ``agent`` only a result sent to this client counts: a task it submitted. With
         ``agent`` (the task's, or any agent of the deployment) it also asks the log, every
         ``poll`` seconds (doubling up to 5) until the task has finished: the way to find the
-        result of a task another publisher submitted. A task that completed without calling
-        peers is not in the log (G10, unless ``WAYSTATION_AUDIT_ALL_TASKS``): only ``timeout``
-        ends that wait.
+        result of a task another publisher submitted, or of one submitted by a client that did
+        not wait for it. ``agent`` names the queue the query goes to (this client has no
+        database; every worker reads the same log). A task that completed without calling peers
+        is not in the log (G10, unless its agent was declared with ``keep_results=True``, or
+        ``WAYSTATION_AUDIT_ALL_TASKS``): only ``timeout`` ends that wait.
         """
         if agent is None or task_id in self._results:
             return await self._wait(task_id, timeout)

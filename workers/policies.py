@@ -25,6 +25,17 @@ start one). Neither is counted per worker: both are slots in PostgreSQL, taken b
 starts (``waystation.runtime.limits``). A task that finds no free slot is not held by the worker: it
 waits in the broker, as a retry does, and tries again; waiting is not a failed attempt. Both are off
 by default, and an agent without them costs nothing more.
+
+One policy keeps what an agent's tasks end with::
+
+    @app.agent("convert", keep_results=True)
+    async def convert(task: TaskContext) -> Outcome: ...
+
+A task that completes without calling peers records nothing by default (G10): its publisher gets
+its result, and nobody can ask for it later. With ``keep_results`` every outcome of the agent is
+recorded in the log (one append per task, as ``WAYSTATION_AUDIT_ALL_TASKS`` does for every agent),
+so ``waystation result TASK_ID`` and ``Client.result(task_id, agent=...)`` find it after its
+publisher left; a resend of its id is answered from the log instead of running again.
 """
 
 from __future__ import annotations
@@ -206,6 +217,11 @@ def as_rate(rate: Rate | str | None) -> Rate | None:
     if isinstance(rate, str):
         return Rate.parse(rate)
     raise PolicyError(f"rate must be a Rate or a string like '10/s', not {rate!r}")
+
+
+def check_keep_results(keep_results: bool) -> None:
+    if not isinstance(keep_results, bool):
+        raise PolicyError(f"keep_results must be True or False, not {keep_results!r}")
 
 
 def check_concurrency(concurrency: int | None) -> None:
