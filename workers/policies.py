@@ -46,6 +46,7 @@ import re
 from dataclasses import dataclass
 
 __all__ = [
+    "MAX_DELAY",
     "MAX_SLOTS",
     "WAIT_STEPS_MS",
     "Backoff",
@@ -53,6 +54,7 @@ __all__ = [
     "PolicyError",
     "Rate",
     "TimeLimitExceeded",
+    "delay_step",
     "wait_step",
 ]
 
@@ -132,6 +134,20 @@ def wait_step(seconds: float) -> int:
         if step >= wanted:
             return step
     return WAIT_STEPS_MS[-1]
+
+
+MAX_DELAY = WAIT_STEPS_MS[-1] / 1000
+"""The longest delay a submitted task can wait in the broker (the last wait step), seconds."""
+
+
+def delay_step(seconds: float) -> int:
+    """The wait step (ms) a task submitted with a delay of ``seconds`` waits in (0: none, it is
+    published straight to its queue). Raises ``ValueError`` for a delay that cannot be one."""
+    if not _finite(seconds) or not 0 <= seconds <= MAX_DELAY:
+        raise ValueError(
+            f"delay must be a number of seconds from 0 to {MAX_DELAY:g}, not {seconds!r}"
+        )
+    return wait_step(seconds) if seconds > 0 else 0
 
 
 def _whole(value: object, low: int, high: int) -> bool:

@@ -6,6 +6,8 @@
   A reply to an agent's own reply queue that no queue takes stays a dead letter (``unroutable``).
 * An agent declared with ``keep_results=True`` records the outcome of a task that calls no peers:
   ``waystation result`` and ``Client.result(task_id, agent=...)`` find it after its publisher left.
+* ``Client.submit(..., delay=s)`` and ``waystation submit --delay s`` reach the agent's queue only
+  after ``s`` seconds, waiting in the broker's wait queue.
 
 Workers run in this process with ``tests/apps/nowait.py``; the ``waystation`` command runs as a
 subprocess.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -191,3 +194,48 @@ async def test_waystation_agents_shows_which_agents_keep_their_results(settings:
     assert done.returncode == 0, done.stderr
     rows = {line.split()[0]: line for line in done.stdout.splitlines()[1:]}
     assert rows["keeper"].endswith("all") and rows["leaf"].endswith("if paused")
+
+
+async def test_a_delayed_submit_runs_only_after_its_delay(
+    settings: Settings, store: PostgresEventStore
+) -> None:
+    nowait.release()
+    async with (
+        running_worker(nowait.app, settings, store),
+        Client(settings.amqp_url, queue_prefix=settings.queue_prefix) as client,
+    ):
+        submitted = time.time()
+        delayed = await client.submit("leaf", "later", delay=2)
+        now = await client.submit("leaf", "now")
+        assert (await client.result(delayed, 60)).result == {"echo": "later"}
+        assert (await client.result(now, 60)).ok
+        # (the broker expires it 2 s after it took it, which was after ``submitted``; 50 ms
+        # spare for the broker's clock against this one)
+        assert nowait.STARTED[delayed] >= submitted + 1.95, nowait.STARTED[delayed] - submitted
+        # the undelayed task, submitted after it, ran first
+        assert nowait.STARTED[now] < nowait.STARTED[delayed]
+
+        with pytest.raises(ValueError, match="delay"):
+            await client.submit("leaf", "never", delay=-1)
+        with pytest.raises(ValueError, match="delay"):
+            await client.submit("leaf", "never", delay=float("nan"))
+        with pytest.raises(LookupError, match="nobody"):
+            await client.submit("nobody", "never", delay=1)
+
+
+async def test_submit_delay_on_the_command_line(
+    settings: Settings, store: PostgresEventStore
+) -> None:
+    nowait.release()
+    async with running_worker(nowait.app, settings, store):
+        before = time.time()
+        code, printed, stderr = await cli(
+            settings, "submit", "leaf", '"later"', "--delay", "2", "--timeout", "60"
+        )
+        assert code == 0, stderr
+        assert printed["status"] == "ok" and printed["result"] == {"echo": "later"}
+        assert nowait.STARTED[printed["task_id"]] >= before + 1.95
+
+        code, printed, stderr = await cli(settings, "submit", "leaf", "1", "--delay", "-1")
+        assert code == 2 and printed is None
+        assert "--delay" in stderr and "delay must be" in stderr

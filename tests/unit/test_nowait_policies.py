@@ -4,12 +4,14 @@ answers are a publisher gone (counted) rather than a fault (dead-lettered)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from waystation.agent import App, TaskContext
 from waystation.brokers.port import Unroutable, Unsendable
 from waystation.events import Complete, Outcome
-from waystation.policies import PolicyError
+from waystation.policies import MAX_DELAY, PolicyError, delay_step
 from waystation.protocol.wire import Names, ResultEnvelope, cancel_message, result_message
 from waystation.runtime.settle import to_gone_publisher
 
@@ -30,6 +32,19 @@ def test_keep_results_is_declared_shown_and_checked() -> None:
     assert app["plain"].policy(5)["keep_results"] is False
     with pytest.raises(PolicyError, match="keep_results"):
         app.agent("odd", keep_results="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("seconds", "step"), [(0, 0), (0.05, 100), (2, 2000), (2.5, 3000), (MAX_DELAY, 70_000_000)]
+)
+def test_a_delay_waits_in_the_step_not_shorter_than_it(seconds: float, step: int) -> None:
+    assert delay_step(seconds) == step
+
+
+@pytest.mark.parametrize("seconds", [-1, -0.001, math.nan, math.inf, MAX_DELAY + 1, True, "2"])
+def test_a_delay_that_cannot_be_one_is_refused(seconds: object) -> None:
+    with pytest.raises(ValueError, match="delay must be"):
+        delay_step(seconds)  # type: ignore[arg-type]
 
 
 def test_only_a_result_to_a_publishers_queue_is_a_publisher_gone() -> None:
