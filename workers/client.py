@@ -182,8 +182,9 @@ class Client:
 
         ``delay``: seconds before it reaches the agent's queue (0 to ``MAX_DELAY``, about 19
         hours; rounded up to the next wait step, never shorter, at most half as long again),
-        spent in the broker's wait queue, not in this client: it may close at once. A negative
-        or non-finite delay raises ``ValueError``; an agent whose queue does not exist,
+        spent in the broker's wait queue, not in this client: it may close at once. A delay
+        that is negative, not finite or longer raises ``ValueError``; an agent whose queue does
+        not exist,
         ``LookupError`` (a delayed task to no queue would never reach a worker)."""
         step = delay_step(delay)
         task_id = task_id or str(uuid.uuid4())
