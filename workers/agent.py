@@ -51,6 +51,7 @@ from waystation.policies import (
     Rate,
     as_rate,
     check_concurrency,
+    check_keep_results,
     check_retries,
     check_time_limit,
 )
@@ -180,6 +181,9 @@ class AgentSpec:
     rate: Rate | None = None
     """Most starts of a run per period across the pool (None: no limit;
     ``waystation.runtime.limits``)."""
+    keep_results: bool = False
+    """Record every outcome in the log, also of a task that calls no peers (G10's exception, as
+    ``WAYSTATION_AUDIT_ALL_TASKS`` for this agent alone), so that it can be asked for later."""
 
     @property
     def limited(self) -> bool:
@@ -200,6 +204,7 @@ class AgentSpec:
             "concurrency": self.concurrency,
             "rate": self.rate.to_json() if self.rate is not None else None,
             "default_call_timeout": self.default_timeout,
+            "keep_results": self.keep_results,
         }
 
 
@@ -228,6 +233,7 @@ class App:
         time_limit: float | None = None,
         concurrency: int | None = None,
         rate: Rate | str | None = None,
+        keep_results: bool = False,
     ) -> Callable[[AnyHandler], AnyHandler]:
         """Register the decorated function as the handler of agent ``name``: a coroutine
         function, or a plain function (run in the worker's thread pool). ``input`` and
@@ -235,8 +241,10 @@ class App:
         policies (``waystation.policies``): ``retries`` after a raising run (default: the delivery
         limit's), the ``backoff`` between them, a ``time_limit`` per run, and across the pool the
         most runs at once (``concurrency``) and starts per period (``rate``: a
-        :class:`~waystation.policies.Rate` or ``"10/s"``); none by default. A policy that cannot
-        work raises :class:`~waystation.policies.PolicyError` here, at import time."""
+        :class:`~waystation.policies.Rate` or ``"10/s"``); none by default. ``keep_results``
+        records every outcome in the log, so that it can be asked for later (by default a task
+        that calls no peers records nothing, G10). A policy that cannot work raises
+        :class:`~waystation.policies.PolicyError` here, at import time."""
         if not name or any(ch.isspace() for ch in name):
             raise ValueError(f"agent names are non-empty and without spaces: {name!r}")
         for role, model in (("input", input), ("result", result)):
@@ -245,6 +253,7 @@ class App:
         check_retries(retries)
         check_time_limit(time_limit)
         check_concurrency(concurrency)
+        check_keep_results(keep_results)
         pool_rate = as_rate(rate)
         if backoff is not None and not isinstance(backoff, Backoff):
             raise PolicyError(f"backoff must be a workers.Backoff, not {backoff!r}")
@@ -264,6 +273,7 @@ class App:
                 time_limit=time_limit,
                 concurrency=concurrency,
                 rate=pool_rate,
+                keep_results=keep_results,
             )
             return handler
 

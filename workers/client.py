@@ -11,6 +11,11 @@ Its memory stays bounded however long it runs: it keeps the most recent ``keep_r
 arrived, and a repeat of a forgotten one counts as new), and forgets a task it was waiting for
 once every ``result()`` call waiting for it has timed out or been cancelled.
 
+A task can be submitted to run later: ``submit(..., delay=seconds)`` publishes it through the
+wait queue the retries use (``<prefix>retry-wait.<ms>ms``, ``waystation.policies``), whose message
+expires after its step and goes on to the agent's queue; the delay waits in the broker, rounded up
+to the next wait step.
+
 A task it did not submit (or whose result it lost) can be asked for too: ``result(task_id,
 agent=...)`` and ``lookup(agent, task_id)`` send a ``query`` message, which a worker answers from
 the log (``waystation.runtime.flows.query``); the client itself has no database.
@@ -28,14 +33,17 @@ from typing import Any
 import aio_pika
 from aio_pika.abc import (
     AbstractChannel,
+    AbstractExchange,
     AbstractIncomingMessage,
     AbstractQueue,
     AbstractRobustConnection,
 )
 from aiormq.abc import FieldValue
 
+from waystation.brokers.amqp.topology import wait_queue_arguments
 from waystation.brokers.amqp.transport import guarded_connection
 from waystation.events.codec import dumps, loads
+from waystation.policies import delay_step
 from waystation.protocol.wire import (
     CONTENT_TYPE,
     HEADER_TRACE,
@@ -72,7 +80,8 @@ class TaskLookup:
     task_id: str
     status: str
     """``completed``, ``failed``, ``cancelled``, ``paused``, ``resumed``, or ``unknown``: not in
-    the log (not run yet, or completed without calling peers, which records nothing: G10)."""
+    the log (not run yet, or completed without calling peers, which records nothing unless its
+    agent keeps its results: G10)."""
     result: TaskResult | None = None
     """The recorded outcome once the task has finished."""
 
@@ -106,6 +115,8 @@ class Client:
         self._waiters: dict[str, asyncio.Future[TaskResult]] = {}
         self._waiting: dict[str, int] = {}
         """How many ``result()`` calls wait on each waiter."""
+        self._wait_exchanges: dict[int, AbstractExchange] = {}
+        """The wait queues' exchanges declared so far, by step (ms)."""
 
     async def __aenter__(self) -> Client:
         await self.connect()
@@ -165,12 +176,48 @@ class Client:
         *,
         task_id: str | None = None,
         trace_id: str | None = None,
+        delay: float = 0,
     ) -> str:
-        """Publish a task to ``agent``; returns its task id once the broker has confirmed it."""
+        """Publish a task to ``agent``; returns its task id once the broker has confirmed it.
+
+        ``delay``: seconds before it reaches the agent's queue (0 to ``MAX_DELAY``, about 19
+        hours; rounded up to the next wait step, never shorter, at most half as long again),
+        spent in the broker's wait queue, not in this client: it may close at once. A delay
+        that is negative, not finite or longer raises ``ValueError``; an agent whose queue does
+        not exist,
+        ``LookupError`` (a delayed task to no queue would never reach a worker)."""
+        step = delay_step(delay)
         task_id = task_id or str(uuid.uuid4())
         headers: dict[str, FieldValue] | None = {HEADER_TRACE: trace_id} if trace_id else None
-        await self._publish(agent, TYPE_TASK, task_id, dumps(input), headers)
+        await self._publish(agent, TYPE_TASK, task_id, dumps(input), headers, wait_ms=step)
         return task_id
+
+    async def _wait_exchange(self, agent: str, step: int) -> AbstractExchange:
+        """The exchange of the wait queue of ``step`` ms, declared as the workers declare it (a
+        fanout to a queue whose messages expire after the step and go on to their routing key's
+        queue), once ``agent``'s queue is known to exist."""
+        assert self._connection is not None and self._channel is not None
+        queue = self.names.tasks(agent)
+        # a channel of its own: a passive declare of a missing queue closes its channel
+        async with self._connection.channel() as probe:
+            try:
+                await probe.declare_queue(queue, passive=True)
+            except aio_pika.exceptions.ChannelNotFoundEntity:
+                raise LookupError(
+                    f"no queue {queue!r}: no worker serves agent {agent!r} (start one first)"
+                ) from None
+        exchange = self._wait_exchanges.get(step)
+        if exchange is None:
+            name = self.names.wait(step)
+            exchange = await self._channel.declare_exchange(
+                name, aio_pika.ExchangeType.FANOUT, durable=True
+            )
+            waits = await self._channel.declare_queue(
+                name, durable=True, arguments=wait_queue_arguments(step)
+            )
+            await waits.bind(exchange)
+            self._wait_exchanges[step] = exchange
+        return exchange
 
     async def _publish(
         self,
@@ -179,12 +226,18 @@ class Client:
         message_id: str,
         body: bytes,
         headers: dict[str, FieldValue] | None = None,
+        *,
+        wait_ms: int = 0,
     ) -> None:
-        """Publish a persistent, mandatory ``kind`` message to ``agent``'s queue, its answer due
-        on this client's reply queue under ``message_id``; returns once the broker confirmed."""
+        """Publish a persistent, mandatory ``kind`` message to ``agent``'s queue (through the
+        wait queue of ``wait_ms``, if not 0), its answer due on this client's reply queue under
+        ``message_id``; returns once the broker confirmed."""
         if self._channel is None or self._reply_queue is None:
             raise RuntimeError("the client is not connected")
-        await self._channel.default_exchange.publish(
+        exchange = (
+            await self._wait_exchange(agent, wait_ms) if wait_ms else self._channel.default_exchange
+        )
+        await exchange.publish(
             aio_pika.Message(
                 body,
                 message_id=message_id,
@@ -263,9 +316,11 @@ class Client:
         Without ``agent`` only a result sent to this client counts: a task it submitted. With
         ``agent`` (the task's, or any agent of the deployment) it also asks the log, every
         ``poll`` seconds (doubling up to 5) until the task has finished: the way to find the
-        result of a task another publisher submitted. A task that completed without calling
-        peers is not in the log (G10, unless ``WAYSTATION_AUDIT_ALL_TASKS``): only ``timeout``
-        ends that wait.
+        result of a task another publisher submitted, or of one submitted by a client that did
+        not wait for it. ``agent`` names the queue the query goes to (this client has no
+        database; every worker reads the same log). A task that completed without calling peers
+        is not in the log (G10, unless its agent was declared with ``keep_results=True``, or
+        ``WAYSTATION_AUDIT_ALL_TASKS``): only ``timeout`` ends that wait.
         """
         if agent is None or task_id in self._results:
             return await self._wait(task_id, timeout)

@@ -25,6 +25,17 @@ start one). Neither is counted per worker: both are slots in PostgreSQL, taken b
 starts (``waystation.runtime.limits``). A task that finds no free slot is not held by the worker: it
 waits in the broker, as a retry does, and tries again; waiting is not a failed attempt. Both are off
 by default, and an agent without them costs nothing more.
+
+One policy keeps what an agent's tasks end with::
+
+    @app.agent("convert", keep_results=True)
+    async def convert(task: TaskContext) -> Outcome: ...
+
+A task that completes without calling peers records nothing by default (G10): its publisher gets
+its result, and nobody can ask for it later. With ``keep_results`` every outcome of the agent is
+recorded in the log (one append per task, as ``WAYSTATION_AUDIT_ALL_TASKS`` does for every agent),
+so ``waystation result TASK_ID`` and ``Client.result(task_id, agent=...)`` find it after its
+publisher left; a resend of its id is answered from the log instead of running again.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import re
 from dataclasses import dataclass
 
 __all__ = [
+    "MAX_DELAY",
     "MAX_SLOTS",
     "WAIT_STEPS_MS",
     "Backoff",
@@ -42,6 +54,7 @@ __all__ = [
     "PolicyError",
     "Rate",
     "TimeLimitExceeded",
+    "delay_step",
     "wait_step",
 ]
 
@@ -121,6 +134,20 @@ def wait_step(seconds: float) -> int:
         if step >= wanted:
             return step
     return WAIT_STEPS_MS[-1]
+
+
+MAX_DELAY = WAIT_STEPS_MS[-1] / 1000
+"""The longest delay a submitted task can wait in the broker (the last wait step), seconds."""
+
+
+def delay_step(seconds: float) -> int:
+    """The wait step (ms) a task submitted with a delay of ``seconds`` waits in (0: none, it is
+    published straight to its queue). Raises ``ValueError`` for a delay that cannot be one."""
+    if not _finite(seconds) or not 0 <= seconds <= MAX_DELAY:
+        raise ValueError(
+            f"delay must be a number of seconds from 0 to {MAX_DELAY:g}, not {seconds!r}"
+        )
+    return wait_step(seconds) if seconds > 0 else 0
 
 
 def _whole(value: object, low: int, high: int) -> bool:
@@ -206,6 +233,11 @@ def as_rate(rate: Rate | str | None) -> Rate | None:
     if isinstance(rate, str):
         return Rate.parse(rate)
     raise PolicyError(f"rate must be a Rate or a string like '10/s', not {rate!r}")
+
+
+def check_keep_results(keep_results: bool) -> None:
+    if not isinstance(keep_results, bool):
+        raise PolicyError(f"keep_results must be True or False, not {keep_results!r}")
 
 
 def check_concurrency(concurrency: int | None) -> None:

@@ -152,7 +152,9 @@ def test_waystation_agents_lists_each_agent_with_its_policies(settings: Settings
     lines = table.stdout.splitlines()
     assert lines[0].split()[:2] == ["agent", "retries"]
     assert any(line.split()[:2] == ["slow", "1"] and "1s" in line for line in lines)
-    assert lines[0].split()[-3:] == ["concurrency", "rate", "calls"]
+    assert lines[0].split()[-4:] == ["concurrency", "rate", "calls", "results"]
+    assert {row["keep_results"] for row in by_agent.values()} == {False}
+    assert all(line.endswith("if paused") for line in lines[1:])
     # the example app, whose agents declare no retries: WAYSTATION_DELIVERY_LIMIT's
     default = waystation(settings, "agents", "--app", "waystation.example:app", "--json")
     assert {row["retries"] for row in json.loads(default.stdout)["agents"]} == {

@@ -22,8 +22,10 @@ def agents(app_path: str | None, as_json: bool) -> None:
     """List the agents of the app with their policies: retries (after the first run; the
     default is WAYSTATION_DELIVERY_LIMIT - 1), the backoff between them (spent waiting in the
     broker), the time limit of one run, the most runs at once and starts per period across the
-    pool (concurrency, rate; none by default), and the default deadline of their calls. A policy
-    that cannot work fails here, as it does when a worker starts."""
+    pool (concurrency, rate; none by default), the default deadline of their calls, and which
+    results the log keeps (all: keep_results=True or WAYSTATION_AUDIT_ALL_TASKS; else those of
+    tasks that paused or failed). A policy that cannot work fails here, as it does when a worker
+    starts."""
     from waystation.agent import App
 
     app = load_app(app_path)  # a policy that cannot work: a usage error naming it
@@ -42,6 +44,7 @@ def agents(app_path: str | None, as_json: bool) -> None:
         "concurrency",
         "rate",
         "calls",
+        "results",
     )
     table = [header] + [
         (
@@ -54,6 +57,7 @@ def agents(app_path: str | None, as_json: bool) -> None:
             f"{row['default_call_timeout']:g}s"
             if row["default_call_timeout"] is not None
             else f"{settings.default_call_timeout:g}s (default)",
+            "all" if row["keep_results"] or settings.audit_all_tasks else "if paused",
         )
         for row in rows
     ]

@@ -36,7 +36,8 @@ def result(task_id: str, as_json: bool) -> None:
 
     Prints what its publisher was sent, as `submit` prints it: {"task_id", "status": ok, error
     or cancelled, "result", "error"}. A task that completed without calling peers records
-    nothing (unless WAYSTATION_AUDIT_ALL_TASKS is on), so it is not in the log. Exit codes:
+    nothing (unless its agent keeps its results, keep_results=True, or
+    WAYSTATION_AUDIT_ALL_TASKS is on), so it is not in the log. Exit codes:
     0 completed, 1 failed or cancelled, 2 not in the log, 3 not finished yet (paused or
     resumed; prints {"task_id", "status": "pending"}).
     """
@@ -63,7 +64,7 @@ def _print(state: TaskState, as_json: bool) -> int:
     if not state.exists:
         click.echo(
             f"task {state.task_id!r} is not in the event log (not run yet, or it completed "
-            "without calling peers, which records nothing)",
+            "without calling peers, which records nothing unless its agent keeps its results)",
             err=True,
         )
         return 2

@@ -38,6 +38,14 @@ __all__ = ["cancel", "dead_letters", "lag_warning", "list_paused_tasks", "status
     help="Trace id the task and all its peer calls carry (default: the task id). Shows in "
     "the events' metadata, the workers' logs and `history`.",
 )
+@click.option(
+    "--delay",
+    type=float,
+    default=0.0,
+    help="Seconds before the task reaches AGENT's queue (waiting in the broker, as a retry "
+    "does; rounded up to the next wait step, at most about 19 hours). --timeout counts from "
+    "the submission, so give it room.",
+)
 def submit(
     agent: str,
     input_json: str,
@@ -45,18 +53,25 @@ def submit(
     wait: bool,
     timeout: float,
     trace_id: str | None,
+    delay: float,
 ) -> None:
     """Submit a task to AGENT with INPUT_JSON and print its result as JSON.
 
     Exit codes: 0 the task completed ok, 1 it completed with an error, 2 bad input,
     3 no result within --timeout.
     """
+    from waystation.policies import delay_step
+
     try:
         payload = loads(input_json)
     except Exception as error:
         raise click.BadParameter(f"not JSON: {error}", param_hint="INPUT_JSON") from error
+    try:
+        delay_step(delay)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--delay") from error
     settings = load_settings()
-    code = run(_submit(settings, agent, payload, task_id, wait, timeout, trace_id))
+    code = run(_submit(settings, agent, payload, task_id, wait, timeout, trace_id, delay))
     sys.exit(code)
 
 
@@ -68,11 +83,14 @@ async def _submit(
     wait: bool,
     timeout: float,
     trace_id: str | None,
+    delay: float = 0.0,
 ) -> int:
     from waystation.client import Client
 
     async with Client(settings.amqp_url, queue_prefix=settings.queue_prefix) as client:
-        task_id = await client.submit(agent, payload, task_id=task_id, trace_id=trace_id)
+        task_id = await client.submit(
+            agent, payload, task_id=task_id, trace_id=trace_id, delay=delay
+        )
         if not wait:
             click.echo(dumps({"task_id": task_id}).decode())
             return 0

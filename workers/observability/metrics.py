@@ -123,6 +123,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.results_undelivered = Counter(
+            "waystation_results_undelivered",
+            "Results not delivered because their publisher's reply queue was gone (it did not "
+            "wait for them; not a dead letter), by agent.",
+            ["agent"],
+            registry=r,
+        )
         self.publish_refusals = Counter(
             "waystation_publish_refusals",
             "Publishes of committed messages the broker refused (they are tried again with "

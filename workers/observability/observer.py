@@ -105,6 +105,11 @@ class Observer:
         self.stats.count(f"dead_letter.{reason}")
         self.metrics.dead_letters.labels(reason).inc()
 
+    def undelivered(self, agent: str) -> None:
+        """A result of ``agent`` whose publisher's reply queue was gone (it did not wait)."""
+        self.stats.count("results_undelivered")
+        self.metrics.results_undelivered.labels(agent).inc()
+
     def duplicate(self, what: str) -> None:
         """A redelivery or re-run recognised as already recorded; ``what`` names the case."""
         self.stats.count(what)

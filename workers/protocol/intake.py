@@ -24,7 +24,9 @@ reason. Reasons (the ``x-waystation-reason`` header of the dead letter):
                             outcome that cannot be recorded
 ``delivery-limit``          delivered more times than the delivery limit without being settled
                             (its workers died holding it); a task's publisher is told
-``unroutable``              a result whose ``reply_to`` queue no longer exists (kept here)
+``unroutable``              a message no queue takes: a call, a cancel for a peer, a reply to an
+                            agent's reply queue (a result to a publisher's queue that is gone is
+                            no dead letter: counted as undelivered, ``Settler.undelivered``)
 ``undecodable-metadata``    properties or headers that could not be decoded (a short string
                             that is not UTF-8, a header table nested too deep, lengths that
                             lie): the detail names each, ``x-waystation-raw-properties`` keeps

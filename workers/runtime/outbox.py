@@ -12,7 +12,8 @@ connection went is tried again soon; one the broker refused (a full queue that r
 tried again with backoff, counting its refusals in the row; one that can never pass (no queue takes
 it, it is too large, it cannot be encoded), or that was refused for ``refused_for`` seconds, is
 handed to ``on_undeliverable`` (``waystation.runtime.flows.undeliverable``: dead-lettered with its
-reason, its task answered) and then forgotten. No row ever holds up another.
+reason, its task answered; a result whose publisher's queue is gone only counted as undelivered)
+and then forgotten. No row ever holds up another.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from waystation.brokers.port import Broker, BrokerError, PublishRefused, Unrouta
 from waystation.events import EventStore, OutboxEntry, OutboxMessage
 from waystation.observability.observer import Observer
 from waystation.policies import Backoff
+from waystation.runtime.settle import to_gone_publisher
 
 __all__ = ["REFUSED_BACKOFF", "OutboxPublisher", "refused_for"]
 
@@ -187,11 +189,18 @@ class OutboxPublisher:
         """The broker will not take ``row``'s message: act on it, then forget the row (if acting
         failed, its lease runs out and a relay meets it again)."""
         message = row.message
-        log.error(
-            "message %s to %r is undeliverable: %s", message.message_id, message.routing_key, error
-        )
-        if isinstance(error, Unroutable):
-            self.observer.count("unroutable")
+        if to_gone_publisher(message, error):
+            # a result whose publisher did not wait: on_undeliverable counts it, not a fault
+            log.debug("result %s: its publisher's queue is gone", message.message_id)
+        else:
+            log.error(
+                "message %s to %r is undeliverable: %s",
+                message.message_id,
+                message.routing_key,
+                error,
+            )
+            if isinstance(error, Unroutable):
+                self.observer.count("unroutable")
         instead: OutboxMessage | None = None
         if self.on_undeliverable is not None:
             try:

@@ -22,7 +22,9 @@ publisher's AMQP user (``x-waystation-user``); whatever goes wrong while settlin
 settled (requeued at worst), never left holding its place in the prefetch.
 
 Answers to publishers (``Settler.answer``) go out directly, not through the outbox: one the
-broker will not take is kept as a dead letter with its reason.
+broker will not take is kept as a dead letter with its reason, except a result whose publisher's
+reply queue is gone (:func:`to_gone_publisher`): a publisher that does not wait is normal, and
+that result has no reader, so it is counted as undelivered (``Settler.undelivered``), not kept.
 
 Why one module of some 450 lines: its dead letters, the copies it sends back and its answers all go
 through one publish with its refusals retried in place (``Settler._publish``), and each falls back
@@ -34,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 from dataclasses import replace
@@ -76,7 +79,7 @@ from waystation.runtime.verdicts import (
     waits_of,
 )
 
-__all__ = ["Settler", "unsendable_answer"]
+__all__ = ["Settler", "to_gone_publisher", "unsendable_answer"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +87,8 @@ HEADER_WORKER = "x-waystation-worker"
 """On a dead letter: the worker that dead-lettered it."""
 CHANNEL_RETURN_WAIT = 10.0
 """Seconds an answer waits for the publishing channel to come back (the connection up)."""
+_AGENT_REPLIES = re.compile(r".*\.replies(\.\d+)?")
+"""The reply queues of Waystation agents (``Names.replies``, ``Names.reply_shard``)."""
 REFUSAL_RETRIES = (0.2, 0.5, 1.0)
 """Seconds between the tries of a publish the broker refuses (a nack), in place, before the
 refusal is the caller's (``Settler._publish``)."""
@@ -168,19 +173,36 @@ class Settler:
 
     # ---- answers ------------------------------------------------------------------------------
 
-    async def answer(self, message: OutboxMessage) -> None:
+    async def answer(self, message: OutboxMessage, *, agent: str | None = None) -> None:
         """Publish an answer (a result, a cancel's status) to its ``reply_to`` queue.
 
-        What cannot pass is kept as a dead letter: when that queue is gone (its publisher left:
-        ``unroutable``; retrying cannot help, and re-running the work that produced it would only
-        repeat it), or when the answer can never be sent as it is (``too-large``,
-        ``unencodable``; its publisher then gets an error result saying so, when that one can
-        be sent). A refusal that may pass later (:class:`PublishRefused`, a full queue) is
-        raised: the caller decides (:meth:`answer_or_keep`)."""
+        A result whose queue is gone (its publisher left without waiting: normal, and nobody can
+        read it now) is counted as undelivered for ``agent`` (:meth:`undelivered`); retrying
+        cannot help, and re-running the work that produced it would only repeat it. What else
+        cannot pass is kept as a dead letter: an answer to a queue that is gone which is not a
+        publisher's (a Waystation agent's reply queue: ``unroutable``), or one that can never be
+        sent as it is (``too-large``, ``unencodable``; its publisher then gets an error result
+        saying so, when that one can be sent). A refusal that may pass later
+        (:class:`PublishRefused`, a full queue) is raised: the caller decides
+        (:meth:`answer_or_keep`)."""
         try:
             await self._publish(message)
         except (Unroutable, Unsendable) as error:
+            if to_gone_publisher(message, error):
+                self.undelivered(message, agent)
+                return
             await self.keep_answer(message, error)
+
+    def undelivered(self, message: OutboxMessage, agent: str | None) -> None:
+        """The result ``message`` was not delivered: its publisher's reply queue is gone (it did
+        not wait). Counted (``waystation_results_undelivered_total``) and logged at debug: not a
+        dead letter, and no alert. A result the log records stays there to be asked for."""
+        log.debug(
+            "%s to %r not delivered: its publisher's queue is gone (it did not wait)",
+            message.message_id,
+            message.routing_key,
+        )
+        self.observer.undelivered(agent or "?")
 
     async def _publish(self, message: OutboxMessage, *, later: float = 0.0) -> None:
         """Publish ``message`` (``later``: to arrive after that many seconds), riding out what
@@ -221,11 +243,11 @@ class Settler:
         if isinstance(error, Unsendable):
             await self._tell_unsendable(message, error)
 
-    async def answer_or_keep(self, message: OutboxMessage) -> None:
+    async def answer_or_keep(self, message: OutboxMessage, *, agent: str | None = None) -> None:
         """:meth:`answer`; one the broker keeps refusing (a full queue) is kept as a dead letter
         (``refused``) once the tries in place are spent."""
         try:
-            await self.answer(message)
+            await self.answer(message, agent=agent)
         except Unsendable:  # (answer raises it only when even keeping it failed)
             raise
         except PublishRefused as refused:
@@ -407,6 +429,17 @@ class Settler:
                     result_message(task_id, delivery.reply_to, delivery.correlation_id, envelope)
                 )
         return True
+
+
+def to_gone_publisher(message: OutboxMessage, error: BrokerError) -> bool:
+    """Whether ``error`` says that the result ``message`` has no queue to go to because its
+    publisher's reply queue is gone. A result to a Waystation agent's reply queue (a reply to a
+    paused task's call) is not: that queue is the deployment's own, and its loss is a fault."""
+    return (
+        isinstance(error, Unroutable)
+        and message.properties.get("type") == TYPE_RESULT
+        and _AGENT_REPLIES.fullmatch(message.routing_key) is None
+    )
 
 
 def unsendable_answer(message: OutboxMessage, error: PublishRefused) -> OutboxMessage | None:

@@ -13,7 +13,7 @@
   a dropped connection took back), a resumed handler never starts for a task the log says is
   finished, and no worker meets an exception it did not expect;
 * an outcome the log cannot store fails its task at once, saying so; an answer whose publisher
-  is gone is kept as a dead letter (``unroutable``);
+  is gone is counted as undelivered (``results_undelivered``), never kept as a dead letter;
 * no message is left in a queue, unsettled or unpublished, and none disappears: each one the
   broker took was acked by a consumer or dead-lettered, and every dead letter carries a reason;
 * the paused-tasks projection built along the way from batches of the log equals the one built
@@ -133,6 +133,7 @@ def problems(observed: Observed) -> list[str]:
             found.extend(_task_problems(observed, spec, streams))
         if spec.bad:
             found.extend(_bad_problems(observed, spec, streams))
+    found.extend(_undelivered_problems(observed, sum(spec.gone for spec in scenario.tasks)))
     found.extend(_worker_problems(observed, streams))
     found.extend(_timeout_problems(observed, streams))
     for stream_id, events in streams.items():
@@ -226,8 +227,17 @@ def _gone_problems(observed: Observed, task_id: str) -> list[str]:
         if letter.properties.get("correlation_id") == task_id
         and letter.headers.get("x-waystation-reason") == "unroutable"
     ]
-    if not kept:
-        return [f"{task_id}: its publisher is gone, and its answer was not kept (unroutable)"]
+    if kept:
+        return [f"{task_id}: its publisher is gone, and its answer was dead-lettered (unroutable)"]
+    return []
+
+
+def _undelivered_problems(observed: Observed, gone: int) -> list[str]:
+    """Each of the ``gone`` publishers' answers was counted as undelivered (at least once: a
+    crash may send one twice)."""
+    counted = observed.counters.get("results_undelivered", 0)
+    if counted < gone:
+        return [f"{gone} publishers were gone, but only {counted} results counted undelivered"]
     return []
 
 

@@ -430,7 +430,8 @@ def _allowed(world: _World, letter: StoredMessage, kind: str, queue: str) -> str
     * ``handler-failed``: a task or resume whose handler raises (``fails``: every run of a
       researcher's, and an orchestrator's when handler faults are on) or returns an outcome no
       log can store (``bad``); a peer request never (its input asks for neither);
-    * ``unroutable``: an answer to a publisher that is gone;
+    * ``unroutable`` never: an answer to a publisher that is gone is counted as undelivered
+      (``results_undelivered``), not dead-lettered;
     * ``unstorable``: a reply whose body the log cannot store (the plain peer's errors with a
       NUL; its call fails at once, recorded before the ack: :func:`_missing_effect`);
     * nothing else: no input here is malformed, oversized, or for an unknown task (a reply to
@@ -477,8 +478,6 @@ def _allowed(world: _World, letter: StoredMessage, kind: str, queue: str) -> str
         ):
             return None
         return f"handler-failed ({detail}), not something {spec.task_id} can do"
-    if reason == "unroutable" and kind == "answer" and queue == GONE:
-        return None
     if reason == "unstorable" and kind == "reply" and unstorable(_body(letter.body)) is not None:
         return None
     return f"the reason {reason!r} is not one this scenario can produce"

@@ -1,9 +1,9 @@
 """A task message: run the agent's handler, then record its outcome (docs/internals.md).
 
-A task that completes without calling peers writes nothing (G10): its result is the only effect,
-unless the broker refuses that answer for now (its queue is full): then the completion is
-recorded after all, and its outbox row tried again with backoff, rather than the handler run
-again.
+A task that completes without calling peers writes nothing (G10; auditing, or its agent's
+``keep_results``, records it): its result is the only effect, unless the broker refuses that
+answer for now (its queue is full): then the completion is recorded after all, and its outbox
+row tried again with backoff, rather than the handler run again.
 A pause appends ``TaskStarted`` and ``TaskPaused`` in one statement, whose outbox rows are the
 peer requests (G5: published only after the checkpoint committed). A handler that raises is
 retried by redelivery up to the delivery limit, then recorded as failed. An input that does not
@@ -119,8 +119,9 @@ async def handle_task(steps: Steps, delivery: Delivery, spec: AgentSpec, payload
             # a completion is recorded with auditing on, and when this delivery is a retry, a
             # wait's copy or a redelivery: another run of the same task (the copy a dying
             # worker left, or the run that died) may be failing or answering meanwhile, and
-            # only the log can settle which answer stands
-            record_completion=steps.settings.audit_all_tasks or again,
+            # only the log can settle which answer stands; and for an agent that keeps its
+            # results (``keep_results``), whose publishers may ask for them later
+            record_completion=steps.settings.audit_all_tasks or spec.keep_results or again,
         )
     except Exception as error:
         return await steps.handler_failed(delivery, state, error, start=start, spec=spec)
@@ -145,7 +146,8 @@ async def handle_task(steps: Steps, delivery: Delivery, spec: AgentSpec, payload
                         delivery.correlation_id,
                         envelope,
                         {HEADER_ROOT: root_id, HEADER_TRACE: trace_id},
-                    )
+                    ),
+                    agent=spec.name,
                 )
             except PublishRefused as refused:
                 # its queue refuses it for now (full): the completion is recorded after all, and
@@ -183,7 +185,8 @@ async def _already_recorded(steps: Steps, delivery: Delivery, state: TaskState) 
                     HEADER_ROOT: state.root_id or state.task_id,
                     HEADER_TRACE: state.trace_id or trace_id_of(delivery.headers, state.task_id),
                 },
-            )
+            ),
+            agent=state.agent,
         )
         steps.observer.count("results_answered_from_log")
     log.info("task %s is already recorded (%s); acking", state.task_id, state.status)

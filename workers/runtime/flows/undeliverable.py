@@ -10,7 +10,9 @@ terminal answer where one can still be given:
   for its deadline (the task goes on with an error result for that call);
 * a resume: the task fails (its resumed run could never start);
 * a task's result: its publisher gets an error result instead, when that one can be sent (not
-  when its queue is gone, or full);
+  when its queue is gone, or full). A result whose publisher's queue is gone is no dead letter:
+  its publisher did not wait, which is normal; it is counted as undelivered
+  (``Settler.undelivered``), and the log, which wrote it, still holds it;
 * anything else (a cancel for a peer, an answer): the dead letter alone.
 
 The outbox forgets the row only once this is done (:func:`handle_undeliverable` returned); a
@@ -29,7 +31,7 @@ from waystation.events.codec import loads
 from waystation.protocol.wire import TYPE_RESUME, TYPE_TASK
 from waystation.runtime.flows.base import Steps
 from waystation.runtime.recorder import Cause
-from waystation.runtime.settle import unsendable_answer
+from waystation.runtime.settle import to_gone_publisher, unsendable_answer
 
 __all__ = ["handle_undeliverable"]
 
@@ -48,6 +50,9 @@ async def handle_undeliverable(
 ) -> OutboxMessage | None:
     """Keep ``message`` as a dead letter and give its task its answer (see the module); the
     message to send in its place, if any (a result's error answer)."""
+    if to_gone_publisher(message, error):
+        steps.settler.undelivered(message, await _agent_of(steps, message))
+        return None
     properties = message.properties
     kind = properties.get("type")
     subtask = properties.get("correlation_id")
@@ -59,6 +64,15 @@ async def handle_undeliverable(
     if isinstance(error, Unsendable):
         return unsendable_answer(message, error)
     return None
+
+
+async def _agent_of(steps: Steps, result: OutboxMessage) -> str | None:
+    """The agent of the task whose ``result`` this is, as its log says."""
+    try:
+        task_id = loads(result.body)["task_id"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    return (await steps.recorder.load(str(task_id))).agent
 
 
 async def _fail_call(steps: Steps, subtask: str, error: dict[str, str]) -> None:
