@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from waystation import migrations
-from waystation.cli.wiring import load_app, load_settings, run
+from waystation.cli.wiring import load_app, load_settings, run, until_started
 
 if TYPE_CHECKING:
     from waystation.settings import Settings
@@ -118,7 +118,9 @@ async def _serve(app: Any, settings: Settings) -> None:
     from waystation.runtime.compose import production_worker
 
     metrics = Metrics()
-    await migrations.upgrade(settings.database_url)
+    stop = _stop_on_signal()  # first: a signal stops the worker while it connects too
+    if not await until_started(stop, lambda: migrations.upgrade(settings.database_url)):
+        return
     store = PostgresEventStore.from_url(settings.database_url, pool_size=settings.db_pool_size)
     instance = production_worker(app, settings, store, metrics=metrics)
     server = HttpServer(
@@ -129,13 +131,20 @@ async def _serve(app: Any, settings: Settings) -> None:
         refresh=lambda: database_gauges(metrics, store, deployment=settings.queue_prefix),
         horizon=store.horizon_holder,
     )
-    stop = _stop_on_signal()
+
+    async def start() -> None:
+        try:
+            await instance.start()
+        except BaseException:
+            await instance.broker.close()  # a half-open connection is not tried again
+            raise
+
     try:
         await server.start()
-        await instance.start()
-        _spare_the_collector()
-        await stop.wait()
-        log.info("stopping")
+        if await until_started(stop, start):
+            _spare_the_collector()
+            await stop.wait()
+            log.info("stopping")
     finally:
         await instance.stop()
         await server.stop()
@@ -147,7 +156,9 @@ async def _run_projections(settings: Settings) -> None:
     from waystation.observability.metrics import Health, HttpServer, Metrics, projection_gauges
     from waystation.projections.postgres import PROJECTIONS, ProjectionRunner, create_engine
 
-    await migrations.upgrade(settings.database_url)
+    stop = _stop_on_signal()  # first: a signal stops the runner while it connects too
+    if not await until_started(stop, lambda: migrations.upgrade(settings.database_url)):
+        return
     # each projection holds a connection while it runs; /healthz and /metrics need their own
     engine = create_engine(settings.database_url, pool_size=len(PROJECTIONS) + 2)
     runner = ProjectionRunner(
@@ -173,7 +184,6 @@ async def _run_projections(settings: Settings) -> None:
         refresh=lambda: projection_gauges(metrics, engine),
         horizon=lambda: horizon_holder(engine),
     )
-    stop = _stop_on_signal()
     await server.start()
     log.info("projection runner %s started", settings.worker_id)
     try:

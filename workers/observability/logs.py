@@ -11,6 +11,10 @@ id finds its lines. When the task's trace id as Waystation carries it is somethi
 publisher's ``x-waystation-trace-id``, or the task's own id), that is printed too, as
 ``waystation_trace_id``.
 
+No line carries a password: every line, its traceback included, is written with the password of
+any URL in it replaced by ``***`` (:func:`redact`; aio-pika's reconnection lines and the drivers'
+exceptions quote the URL they were given).
+
 ``WAYSTATION_LOG_FORMAT`` chooses: ``json`` (one object per line), ``text``, or ``auto`` (text
 when stderr is a terminal, JSON otherwise, e.g. in a container).
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import re
 import sys
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -29,7 +34,14 @@ import orjson
 
 from waystation.observability.tracing.ids import trace_hex
 
-__all__ = ["CONTEXT_FIELDS", "configure_logging", "current_context", "log_context"]
+__all__ = [
+    "CONTEXT_FIELDS",
+    "configure_logging",
+    "current_context",
+    "log_context",
+    "redact",
+    "redact_url",
+]
 
 CONTEXT_FIELDS = ("task_id", "subtask_id", "trace_id", "waystation_trace_id")
 """Per-message fields, in the order a text line shows them."""
@@ -37,6 +49,23 @@ CONTEXT_FIELDS = ("task_id", "subtask_id", "trace_id", "waystation_trace_id")
 _context: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
     "waystation_log_context", default=MappingProxyType({})
 )
+
+
+_CREDENTIALS = re.compile(r"(^|[/\s'\"(=<,\[])([^\s:/@'\"<>]+):([^\s@/'\"<>]+)@")
+"""``user:password@`` where it starts a URL's authority, or follows a space or a quote (a URL
+written without its ``//``, as in the malformed ``amqps//user:password@host``)."""
+
+
+def redact(text: str) -> str:
+    """``text`` with the password of every ``user:password@`` in it replaced by ``***``."""
+    if "@" not in text:
+        return text
+    return _CREDENTIALS.sub(r"\1\2:***@", text)
+
+
+def redact_url(url: str) -> str:
+    """``url`` as it may be shown: ``amqp://guest:***@host/``."""
+    return redact(url)
 
 
 class log_context:  # (named as the function it replaced: ``with log_context(task_id=...)``)
@@ -113,7 +142,7 @@ class JsonFormatter(logging.Formatter):
             entry["exception"] = self.formatException(record.exc_info)
         elif record.exc_text:
             entry["exception"] = record.exc_text
-        return orjson.dumps(entry, default=str).decode()
+        return redact(orjson.dumps(entry, default=str).decode())
 
 
 class TextFormatter(logging.Formatter):
@@ -123,13 +152,17 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+        line = redact(super().format(record))
         fields: dict[str, str] = getattr(record, "waystation", {})
         shown = [f"{n.removesuffix('_id')}={fields[n]}" for n in CONTEXT_FIELDS if n in fields]
         if not shown:
             return line
         head, newline, rest = line.partition("\n")  # keep a traceback below the context
         return f"{head} [{' '.join(shown)}]{newline}{rest}"
+
+
+def _not_transport_errors(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("error when creating transport")
 
 
 def configure_logging(
@@ -153,5 +186,12 @@ def configure_logging(
     root.setLevel(level.upper())
     logging.getLogger("aio_pika").setLevel(logging.WARNING)
     logging.getLogger("aiormq").setLevel(logging.WARNING)
+    # a connection that cannot be made is told once, by whoever tries it (the command's one
+    # line, or aio-pika's reconnection); aiormq's own line says it again but at debug level
+    transport = logging.getLogger("aiormq.connection")
+    if root.level > logging.DEBUG:
+        transport.addFilter(_not_transport_errors)
+    else:
+        transport.removeFilter(_not_transport_errors)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)

@@ -1,0 +1,152 @@
+"""The ``WAYSTATION_*`` variables as the command reads them: an invalid value names its variable,
+an unknown name is an error with the name it most resembles, a URL is never printed with its
+password, and every exit code is documented (issue 30, items 1 and 2)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from waystation.cli import main
+from waystation.cli.exits import EXIT_CODES, EXIT_CONFIG
+from waystation.cli.wiring import _command_line_variables
+from waystation.observability.logs import JsonFormatter, TextFormatter, redact, redact_url
+from waystation.settings import Settings, unknown_variables, variable_of
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def invoke(*args: str, **env: str) -> tuple[int, str]:
+    """``waystation ARGS`` in this process, with ``env`` added to the environment."""
+    done = CliRunner().invoke(main, list(args), env=env)
+    assert done.exception is None or isinstance(done.exception, SystemExit), done.exc_info
+    return done.exit_code, done.output
+
+
+def test_a_misspelled_variable_is_an_error_that_suggests_the_setting() -> None:
+    code, output = invoke("status", WAYSTATION_CONCURENCY="8")
+    assert code == EXIT_CONFIG
+    assert "WAYSTATION_CONCURENCY is not a setting; did you mean WAYSTATION_CONCURRENCY?" in output
+    assert "Traceback" not in output
+
+
+def test_an_unknown_variable_like_nothing_known_is_named_without_a_guess() -> None:
+    [(name, close)] = unknown_variables({"WAYSTATION_ZZZZZZZZZZ": "1", "HOME": "/root"})
+    assert (name, close) == ("WAYSTATION_ZZZZZZZZZZ", None)
+
+
+def test_an_invalid_value_names_the_variable_not_the_field() -> None:
+    code, output = invoke("status", WAYSTATION_CONCURRENCY="0")
+    assert code == EXIT_CONFIG
+    [line] = output.strip().splitlines()
+    assert line.startswith("waystation: WAYSTATION_CONCURRENCY=0: ")
+    assert "greater than or equal to 1" in line
+    assert "Traceback" not in output
+
+
+def test_an_invalid_option_names_the_option() -> None:
+    code, output = invoke("worker", "--app", "waystation.example:app", "--concurrency", "0")
+    assert code == EXIT_CONFIG
+    assert "waystation: --concurrency=0: " in output
+
+
+@pytest.mark.parametrize(
+    "url", ["amqps//guest:sekret@127.0.0.1:5672/", "http://guest:sekret@host/", "amqp:///vhost"]
+)
+def test_a_malformed_amqp_url_is_refused_at_once_without_its_password(url: str) -> None:
+    code, output = invoke("submit", "orchestrator", WAYSTATION_AMQP_URL=url)
+    assert code == EXIT_CONFIG
+    assert "WAYSTATION_AMQP_URL" in output
+    assert "sekret" not in output
+
+
+def test_the_variables_the_options_read_and_the_harness_s_are_known() -> None:
+    code, output = invoke(
+        "status",
+        "--help",
+        WAYSTATION_APP="waystation.example:app",
+        WAYSTATION_LOG_LEVEL="info",
+        WAYSTATION_LOG_FORMAT="text",
+        WAYSTATION_TEST_ANYTHING="1",
+        WAYSTATION_SIM_SEEDS="10",
+    )
+    assert code == 0, output
+    found = unknown_variables(
+        {"WAYSTATION_APP": "x", "WAYSTATION_TEST_DATABASE_URL": "x", "WAYSTATION_SIM_SEEDS": "1"},
+        {"WAYSTATION_APP"},
+    )
+    assert found == []
+
+
+_READ = re.compile(
+    r"""(?:environ(?:\.get)?[\[(]|getenv\(|envvar=|^\s*-?\s*)["']?(WAYSTATION_[A-Z0-9_]+)""",
+    re.MULTILINE,
+)
+
+
+def test_every_variable_the_project_reads_is_known() -> None:
+    """What the code, the scripts, the tests and compose read (os.environ, click's envvar,
+    compose's environment lists): none of them may be refused as unknown."""
+    read: set[str] = set()
+    for folder in ("workers", "events", "projections", "migrations", "scripts", "tests", "compose"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix in {".py", ".yml", ".yaml", ".env"} and path.is_file():
+                read.update(_READ.findall(path.read_text(errors="replace")))
+    read |= {name for name in re.findall(r"WAYSTATION_[A-Z0-9_]+", _constants()) if name}
+    assert "WAYSTATION_CONCURRENCY" in read and "WAYSTATION_SIM_SEEDS" in read  # (it looked)
+    known = {variable_of(field) for field in Settings.model_fields}
+    with main.make_context("waystation", ["status"]):
+        known |= _command_line_variables()
+    assert unknown_variables(dict.fromkeys(read, "1"), known) == []
+
+
+def _constants() -> str:
+    """Variable names kept in constants (``TEST_SPANS_FILE = "WAYSTATION_TEST_SPANS_FILE"``)."""
+    path = ROOT / "workers" / "observability" / "tracing" / "provider.py"
+    return path.read_text()
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("amqp://guest:sekret@127.0.0.1:1/", "amqp://guest:***@127.0.0.1:1/"),
+        ("amqps//guest:sekret@host:5672/", "amqps//guest:***@host:5672/"),
+        ("failed postgresql+asyncpg://u:s:e@h/db.", "failed postgresql+asyncpg://u:***@h/db."),
+        ("URL('amqp://guest:sekret@h/')", "URL('amqp://guest:***@h/')"),
+        ("amqp://guest@host/", "amqp://guest@host/"),
+        ("mail me at a@b", "mail me at a@b"),
+    ],
+)
+def test_a_url_is_shown_without_its_password(text: str, shown: str) -> None:
+    assert redact(text) == shown
+    assert redact_url(text) == shown
+
+
+@pytest.mark.parametrize("formatter", [JsonFormatter(), TextFormatter()])
+def test_no_log_line_carries_a_password_not_even_in_its_traceback(
+    formatter: logging.Formatter,
+) -> None:
+    try:
+        raise ConnectionError("cannot connect to amqp://guest:sekret@127.0.0.1:1/")
+    except ConnectionError:
+        record = logging.LogRecord(
+            "aio_pika", logging.ERROR, __file__, 1, "retrying %s", ("amqp://u:sekret@h/",), None
+        )
+        record.exc_info = sys.exc_info()
+    line = formatter.format(record)
+    assert "sekret" not in line
+    assert "guest:***@" in line and "u:***@" in line
+
+
+def test_every_exit_code_is_in_the_help_and_the_troubleshooting_guide() -> None:
+    code, shown = invoke("--help")
+    assert code == 0
+    guide = (ROOT / "docs" / "troubleshooting.md").read_text()
+    for exit_code, meaning in EXIT_CODES.items():
+        assert f"{exit_code}  {meaning}" in shown
+        assert f"| {exit_code} |" in guide, f"exit code {exit_code} is not in the guide"
