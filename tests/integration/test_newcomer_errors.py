@@ -1,0 +1,274 @@
+"""What a newcomer meets when a URL, a setting or an agent's name is wrong, run as they run it:
+the ``waystation`` command as a subprocess against the real services (issue 30, items 1 and 2).
+
+Each failure ends in one line naming the setting or argument, with its documented exit code
+and no traceback (the traceback only at ``--log-level debug``); a long-running process tries a
+service that may come up again, one line per attempt, and stops on SIGTERM or SIGINT in every
+phase; no output ever shows a URL's password.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from yarl import URL
+
+from scripts.lab.harness.processes import ROOT
+from waystation.cli.exits import EXIT_BROKER, EXIT_CONFIG, EXIT_NO_ROUTE, EXIT_STORE
+from waystation.settings import Settings
+
+from ..support import eventually
+
+WAYSTATION = str(Path(sys.executable).parent / "waystation")
+PASSWORD = "sekret-pw"
+REFUSED_BROKER = f"amqp://guest:{PASSWORD}@127.0.0.1:1/"
+MALFORMED_BROKER = f"amqps//guest:{PASSWORD}@127.0.0.1:5672/"
+REFUSED_DATABASE = f"postgresql://postgres:{PASSWORD}@127.0.0.1:1/waystation"
+
+
+def environment(settings: Settings, **changes: str) -> dict[str, str]:
+    """The environment of a command of this test: its settings, none of the caller's other
+    ``WAYSTATION_*`` variables (the harness's own excepted), and ``changes``."""
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith("WAYSTATION_") or name.startswith("WAYSTATION_TEST_")
+    }
+    env.update(
+        WAYSTATION_DATABASE_URL=settings.database_url,
+        WAYSTATION_AMQP_URL=settings.amqp_url,
+        WAYSTATION_QUEUE_PREFIX=settings.queue_prefix,
+        WAYSTATION_BROKER_POLICY="none",
+        WAYSTATION_METRICS_PORT="0",
+        WAYSTATION_LOG_FORMAT="text",
+    )
+    env.update(changes)
+    return env
+
+
+def one_shot(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``waystation ARGS``; a command that hangs fails the test (the limit is generous)."""
+    return subprocess.run(
+        [WAYSTATION, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=90
+    )
+
+
+def failed_in_one_line(done: subprocess.CompletedProcess[str], code: int, *words: str) -> str:
+    """Assert ``done`` ended with ``code`` and one line on stderr holding ``words``; that line."""
+    output = done.stdout + done.stderr
+    assert done.returncode == code, (done.returncode, output)
+    assert "Traceback" not in output
+    assert PASSWORD not in output
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("waystation: ")
+    for word in words:
+        assert word in line, (word, line)
+    return line
+
+
+def password_url(url: str) -> str:
+    return str(URL(url).with_password(PASSWORD))
+
+
+def missing_database(settings: Settings) -> str:
+    base = URL(settings.database_url.replace("+asyncpg", "")).with_password(PASSWORD)
+    return str(base.with_path("/waystation_newcomer_missing"))
+
+
+class Service:
+    """A long-running ``waystation`` process at debug level, its output in a file."""
+
+    def __init__(self, env: dict[str, str], log: Path, *args: str) -> None:
+        self.log = log
+        with log.open("wb") as out:
+            self.process = subprocess.Popen(
+                [WAYSTATION, "--log-level", "debug", *args],
+                env=env,
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    async def shows(self, text: str) -> None:
+        def seen() -> bool:
+            if text in self.output():
+                return True
+            assert self.process.poll() is None, (
+                f"exited {self.process.returncode}:\n{self.output()}"
+            )
+            return False
+
+        await eventually(seen, 60, f"{text!r} in the output")
+
+    async def exit_code(self) -> int:
+        return await asyncio.to_thread(self.process.wait, 60)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+# ---- a long-running process -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_a_worker_whose_broker_refuses_connections_tries_again_and_stops_on_a_signal(
+    settings: Settings, tmp_path: Path, signum: signal.Signals
+) -> None:
+    env = environment(settings, WAYSTATION_AMQP_URL=REFUSED_BROKER)
+    worker = Service(env, tmp_path / "worker.log", "worker", "--app", "waystation.example:app")
+    try:
+        await worker.shows("trying again")
+        worker.process.send_signal(signum)
+        assert await worker.exit_code() == 0, worker.output()
+    finally:
+        worker.kill()
+    output = worker.output()
+    assert PASSWORD not in output
+    assert "the broker cannot be used" in output and "WAYSTATION_AMQP_URL" in output
+    assert "amqp://guest:***@127.0.0.1:1/" in output
+    assert "Traceback" in output  # at debug level, each attempt's traceback (redacted)
+
+
+@pytest.mark.parametrize(
+    "command", [("worker", "--app", "waystation.example:app"), ("projections", "run")], ids=" ".join
+)
+async def test_a_service_whose_database_is_down_tries_again_and_stops_on_sigterm(
+    settings: Settings, tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    env = environment(settings, WAYSTATION_DATABASE_URL=REFUSED_DATABASE)
+    service = Service(env, tmp_path / "service.log", *command)
+    try:
+        await service.shows("trying again")
+        service.process.send_signal(signal.SIGTERM)
+        assert await service.exit_code() == 0, service.output()
+    finally:
+        service.kill()
+    output = service.output()
+    assert PASSWORD not in output
+    assert "cannot reach PostgreSQL" in output and "WAYSTATION_DATABASE_URL" in output
+
+
+async def test_a_worker_with_a_malformed_broker_url_stops_at_once_without_its_password(
+    settings: Settings, tmp_path: Path
+) -> None:
+    env = environment(settings, WAYSTATION_AMQP_URL=MALFORMED_BROKER)
+    worker = Service(env, tmp_path / "worker.log", "worker", "--app", "waystation.example:app")
+    try:
+        assert await worker.exit_code() == EXIT_CONFIG, worker.output()
+    finally:
+        worker.kill()
+    output = worker.output()
+    assert PASSWORD not in output
+    assert "Traceback" not in output
+    assert "WAYSTATION_AMQP_URL is not an AMQP URL" in output
+
+
+async def test_a_worker_the_broker_refuses_to_log_in_stops_at_once_in_one_line(
+    settings: Settings, tmp_path: Path
+) -> None:
+    env = environment(settings, WAYSTATION_AMQP_URL=password_url(settings.amqp_url))
+    done = await asyncio.to_thread(one_shot, env, "worker", "--app", "waystation.example:app")
+    output = done.stdout + done.stderr
+    assert done.returncode == EXIT_BROKER, output
+    assert "Traceback" not in output and PASSWORD not in output
+    last = done.stderr.strip().splitlines()[-1]  # (after the migrations' lines)
+    assert last.startswith("waystation: the broker cannot be used: it refused the login")
+    assert "WAYSTATION_AMQP_URL" in last
+
+
+# ---- one-shot commands ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command", [("status",), ("tasks",), ("projections", "status")], ids=" ".join
+)
+def test_a_one_shot_command_on_a_missing_database_says_how_to_create_it(
+    settings: Settings, command: tuple[str, ...]
+) -> None:
+    env = environment(settings, WAYSTATION_DATABASE_URL=missing_database(settings))
+    failed_in_one_line(
+        one_shot(env, *command),
+        EXIT_STORE,
+        "does not exist",
+        "WAYSTATION_DATABASE_URL",
+        "waystation db upgrade",
+        "postgres:***@",
+    )
+
+
+@pytest.mark.parametrize("command", [("status",), ("history", "some-task")], ids=" ".join)
+def test_a_one_shot_command_on_a_database_that_is_down_fails_in_one_line(
+    settings: Settings, command: tuple[str, ...]
+) -> None:
+    env = environment(settings, WAYSTATION_DATABASE_URL=REFUSED_DATABASE)
+    failed_in_one_line(
+        one_shot(env, *command), EXIT_STORE, "Connection refused", "WAYSTATION_DATABASE_URL"
+    )
+
+
+def test_debug_level_adds_the_traceback_without_the_password(settings: Settings) -> None:
+    env = environment(settings, WAYSTATION_DATABASE_URL=missing_database(settings))
+    done = one_shot(env, "--log-level", "debug", "status")
+    assert done.returncode == EXIT_STORE, done.stderr
+    assert "Traceback" in done.stderr and "InvalidCatalogNameError" in done.stderr
+    assert PASSWORD not in done.stdout + done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("waystation: the event log cannot")
+
+
+@pytest.mark.parametrize(
+    ("url", "code", "says"),
+    [
+        ("refused", EXIT_BROKER, "Connection refused"),
+        ("password", EXIT_BROKER, "refused the login"),
+        ("vhost", EXIT_BROKER, "'waystation_no_such_vhost'"),
+        ("malformed", EXIT_CONFIG, "WAYSTATION_AMQP_URL is not an AMQP URL"),
+    ],
+)
+@pytest.mark.parametrize(
+    "command", [("submit", "orchestrator"), ("dead-letters", "list")], ids=" ".join
+)
+def test_a_one_shot_command_whose_broker_cannot_be_used_fails_in_one_line(
+    settings: Settings, url: str, code: int, says: str, command: tuple[str, ...]
+) -> None:
+    amqp_url = {
+        "refused": REFUSED_BROKER,
+        "password": password_url(settings.amqp_url),
+        "vhost": str(URL(settings.amqp_url).with_path("/waystation_no_such_vhost")),
+        "malformed": MALFORMED_BROKER,
+    }[url]
+    env = environment(settings, WAYSTATION_AMQP_URL=amqp_url)
+    failed_in_one_line(one_shot(env, *command), code, says, "WAYSTATION_AMQP_URL")
+
+
+def test_submit_to_an_agent_no_worker_serves_names_it_and_what_to_do(settings: Settings) -> None:
+    done = one_shot(environment(settings), "submit", "orchestratr", '{"n": 1}')
+    line = failed_in_one_line(
+        done, EXIT_NO_ROUTE, "agent 'orchestratr'", "WAYSTATION_QUEUE_PREFIX", "waystation agents"
+    )
+    assert settings.queue_prefix in line
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("WAYSTATION_CONCURRENCY", "lots", "WAYSTATION_CONCURRENCY=lots: input should be"),
+        ("WAYSTATION_CONCURENCY", "8", "did you mean WAYSTATION_CONCURRENCY?"),
+        ("WAYSTATION_DATABASE_URL", f"mysql://root:{PASSWORD}@h/db", "WAYSTATION_DATABASE_URL"),
+    ],
+)
+def test_a_bad_or_unknown_variable_is_named_in_one_line(
+    settings: Settings, variable: str, value: str, says: str
+) -> None:
+    env = environment(settings, **{variable: value})
+    failed_in_one_line(one_shot(env, "status"), EXIT_CONFIG, says)
