@@ -7,13 +7,23 @@ from __future__ import annotations
 import logging
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from aiormq.exceptions import ProbableAuthenticationError
+from asyncpg.exceptions import (
+    CannotConnectNowError,
+    InvalidCatalogNameError,
+    InvalidPasswordError,
+    TooManyConnectionsError,
+)
 from click.testing import CliRunner
+from sqlalchemy.exc import DBAPIError
 
+from waystation.brokers.port import BrokerUnavailable
 from waystation.cli import main
-from waystation.cli.exits import EXIT_CODES, EXIT_CONFIG
+from waystation.cli.exits import EXIT_CODES, EXIT_CONFIG, explain
 from waystation.cli.wiring import _command_line_variables
 from waystation.observability.logs import JsonFormatter, TextFormatter, redact, redact_url
 from waystation.settings import Settings, unknown_variables, variable_of
@@ -150,3 +160,60 @@ def test_every_exit_code_is_in_the_help_and_the_troubleshooting_guide() -> None:
     for exit_code, meaning in EXIT_CODES.items():
         assert f"{exit_code}  {meaning}" in shown
         assert f"| {exit_code} |" in guide, f"exit code {exit_code} is not in the guide"
+
+
+def _raised(
+    error: BaseException, wrap: Callable[[BaseException], Exception] | None = None
+) -> BaseException:
+    """``error`` as a library raises it: with its traceback, wrapped by ``wrap`` when given."""
+    try:
+        try:
+            raise error
+        except BaseException as inner:
+            if wrap is None:
+                raise
+            raise wrap(inner) from inner
+    except BaseException as raised:
+        return raised
+
+
+def _settings() -> Settings:
+    return Settings(
+        database_url=f"postgresql://postgres:{SECRET}@db:5432/w",
+        amqp_url=f"amqp://guest:{SECRET}@mq:5672/",
+    )
+
+
+SECRET = "sekret-pw"
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "transient", "says"),
+    [
+        (CannotConnectNowError("the database system is starting up"), 4, True, "starting up"),
+        (TooManyConnectionsError("sorry, too many clients already"), 4, True, "too many"),
+        (InvalidPasswordError("password authentication failed"), 4, False, "refused the login"),
+        (InvalidCatalogNameError('database "w" does not exist'), 4, False, "db upgrade"),
+        (ProbableAuthenticationError("ACCESS_REFUSED - Login was refused"), 5, False, "login"),
+        (ConnectionRefusedError(111, "Connection refused"), 5, True, "cannot reach it"),
+    ],
+)
+def test_a_failure_is_told_with_its_code_and_whether_a_worker_tries_again(
+    error: Exception, code: int, transient: bool, says: str
+) -> None:
+    """The failures a starting worker meets, as the drivers raise them (wrapped by SQLAlchemy,
+    by the broker port): a server starting up is tried again, a wrong password is not."""
+    if isinstance(error, ConnectionRefusedError):
+        raised = _raised(_raised(error), lambda inner: BrokerUnavailable(str(inner)))
+    elif type(error).__module__.startswith("asyncpg"):
+        raised = _raised(error, lambda inner: DBAPIError("connect", None, inner))
+    else:
+        raised = _raised(error)
+    failure = explain(raised, _settings())
+    assert failure is not None
+    assert (failure.exit_code, failure.transient) == (code, transient)
+    assert says in failure.message and SECRET not in failure.message
+
+
+def test_an_error_no_user_can_cause_is_not_explained_away() -> None:
+    assert explain(_raised(ValueError("a bug")), _settings()) is None

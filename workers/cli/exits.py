@@ -169,6 +169,15 @@ def _broker(error: BaseException, names: set[str], settings: Settings | None) ->
 _DATABASE_REFUSED = {"InvalidPasswordError", "InvalidAuthorizationSpecificationError"}
 _DATABASE_MISSING = "InvalidCatalogNameError"
 _DATABASE_FORBIDDEN = "InsufficientPrivilegeError"
+# and for what may pass: a server starting up or shutting down, its connections all taken
+_DATABASE_BUSY = {
+    "CannotConnectNowError",
+    "TooManyConnectionsError",
+    "AdminShutdownError",
+    "CrashShutdownError",
+    "ConnectionDoesNotExistError",
+    "ConnectionFailureError",
+}
 
 
 def _database(error: BaseException, names: set[str], settings: Settings | None) -> Failure | None:
@@ -198,6 +207,7 @@ def _database(error: BaseException, names: set[str], settings: Settings | None) 
     from waystation.events.errors import EventStoreError, StoreUnavailable
 
     unreachable = any(isinstance(each, OSError | TimeoutError) for each in _chain(error))
+    unreachable = unreachable or bool(names & _DATABASE_BUSY)
     if unreachable or any(isinstance(each, StoreUnavailable) for each in _chain(error)):
         return Failure(
             f"the event log cannot be used: cannot reach PostgreSQL at {where} ({words}); "

@@ -41,8 +41,10 @@ def worker(app_path: str | None, concurrency: int | None) -> None:
     """Run a worker serving every agent of the app until SIGTERM or SIGINT.
 
     Migrates the database first (creating it if needed), declares the queues, and applies the
-    delivery-limit policy. On a signal it stops consuming, lets in-flight messages reach their
-    next commit within WAYSTATION_SHUTDOWN_GRACE seconds, and exits 0.
+    delivery-limit policy. A broker or database not reachable yet is tried again, one line per
+    attempt; a wrong password or a missing vhost ends it (exit 4 or 5). On a signal, in any
+    phase, it stops consuming, lets in-flight messages reach their next commit within
+    WAYSTATION_SHUTDOWN_GRACE seconds, and exits 0.
     """
     settings = load_settings(concurrency=concurrency)
     app = load_app(app_path)
