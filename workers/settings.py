@@ -91,8 +91,11 @@ def unknown_variables(
         upper = name.upper()  # (the settings are read whatever their case)
         if not upper.startswith(PREFIX) or upper.startswith(HARNESS_PREFIX) or upper in names:
             continue
-        close = difflib.get_close_matches(upper, sorted(names), n=1, cutoff=0.6)
-        unknown.append((name, close[0] if close else None))
+        # compared without the prefix they all share, which would make any two look alike
+        close = difflib.get_close_matches(
+            upper.removeprefix(PREFIX), sorted(n.removeprefix(PREFIX) for n in names), n=1
+        )
+        unknown.append((name, PREFIX + close[0] if close else None))
     return unknown
 
 

@@ -46,8 +46,12 @@ def test_a_misspelled_variable_is_an_error_that_suggests_the_setting() -> None:
 
 
 def test_an_unknown_variable_like_nothing_known_is_named_without_a_guess() -> None:
-    [(name, close)] = unknown_variables({"WAYSTATION_ZZZZZZZZZZ": "1", "HOME": "/root"})
-    assert (name, close) == ("WAYSTATION_ZZZZZZZZZZ", None)
+    # (compared with the shared prefix, any two names would look alike: X "resembled" APP)
+    found = unknown_variables({"WAYSTATION_X": "1", "HOME": "/root"}, {"WAYSTATION_APP"})
+    assert found == [("WAYSTATION_X", None)]
+    assert unknown_variables({"WAYSTATION_LOGLEVEL": "1"}, {"WAYSTATION_LOG_LEVEL"}) == [
+        ("WAYSTATION_LOGLEVEL", "WAYSTATION_LOG_LEVEL")
+    ]
 
 
 def test_an_invalid_value_names_the_variable_not_the_field() -> None:
