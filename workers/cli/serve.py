@@ -76,7 +76,10 @@ def _log_as_worker(worker_id: str) -> None:
 
 
 def _run_service(coroutine: Coroutine[Any, Any, None]) -> None:
-    """Run a long-lived process; a port it cannot listen on ends it with a clear line, exit 1."""
+    """Run a long-lived process; a port it cannot listen on ends it with a clear line, exit 1,
+    and a service it cannot use with its own line and code (``waystation.cli.exits``), logged
+    like every other line of the process (JSON in a container)."""
+    from waystation.cli.exits import Failure
     from waystation.observability.metrics import MetricsPortUnavailable
 
     try:
@@ -84,6 +87,9 @@ def _run_service(coroutine: Coroutine[Any, Any, None]) -> None:
     except MetricsPortUnavailable as error:
         log.error("%s", error.strerror)
         sys.exit(1)
+    except Failure as failure:
+        log.error("%s", failure.message)
+        sys.exit(failure.exit_code)
 
 
 GC_THRESHOLD = 50_000
