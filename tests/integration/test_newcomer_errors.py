@@ -14,16 +14,19 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import asyncpg
 import pytest
+import pytest_asyncio
 from yarl import URL
 
 from scripts.lab.harness.processes import ROOT
 from waystation.cli.exits import EXIT_BROKER, EXIT_CONFIG, EXIT_NO_ROUTE, EXIT_STORE
 from waystation.settings import Settings
 
-from ..support import eventually
+from ..support import Services, eventually
 
 WAYSTATION = str(Path(sys.executable).parent / "waystation")
 PASSWORD = "sekret-pw"
@@ -273,3 +276,50 @@ def test_a_bad_or_unknown_variable_is_named_in_one_line(
 ) -> None:
     env = environment(settings, **{variable: value})
     failed_in_one_line(one_shot(env, "status"), EXIT_CONFIG, says)
+
+
+async def test_a_worker_whose_database_role_does_not_exist_stops_at_once_in_one_line(
+    settings: Settings,
+) -> None:
+    """A login PostgreSQL refuses cannot pass by itself: the worker does not try it again."""
+    url = URL(settings.database_url.replace("+asyncpg", ""))
+    env = environment(
+        settings,
+        WAYSTATION_DATABASE_URL=str(
+            url.with_user("waystation_no_such_role").with_password(PASSWORD)
+        ),
+    )
+    done = await asyncio.to_thread(one_shot, env, "worker", "--app", "waystation.example:app")
+    output = done.stdout + done.stderr
+    assert done.returncode == EXIT_STORE, output
+    assert "Traceback" not in output and PASSWORD not in output
+    [line] = done.stderr.strip().splitlines()
+    assert "the event log cannot be used: PostgreSQL at" in line and "refused the login" in line
+    assert "WAYSTATION_DATABASE_URL" in line and "waystation_no_such_role:***@" in line
+
+
+@pytest_asyncio.fixture
+async def role_without_createdb(services: Services) -> AsyncIterator[str]:
+    """A role that may log in but not create a database."""
+    name = f"waystation_newcomer_{os.getpid()}"
+    admin = await asyncpg.connect(services.admin_database_url.replace("+asyncpg", ""))
+    try:
+        await admin.execute(f'DROP ROLE IF EXISTS "{name}"')
+        await admin.execute(f'CREATE ROLE "{name}" LOGIN NOCREATEDB')
+        yield name
+    finally:
+        await admin.execute(f'DROP ROLE IF EXISTS "{name}"')
+        await admin.close()
+
+
+async def test_a_worker_that_may_not_create_its_missing_database_stops_at_once(
+    settings: Settings, role_without_createdb: str
+) -> None:
+    url = URL(missing_database(settings)).with_user(role_without_createdb)
+    env = environment(settings, WAYSTATION_DATABASE_URL=str(url))
+    done = await asyncio.to_thread(one_shot, env, "worker", "--app", "waystation.example:app")
+    output = done.stdout + done.stderr
+    assert done.returncode == EXIT_STORE, output
+    assert "Traceback" not in output and PASSWORD not in output
+    [line] = done.stderr.strip().splitlines()
+    assert "does not allow it" in line and "right to create the database" in line
