@@ -79,6 +79,16 @@ def password_url(url: str) -> str:
     return str(URL(url).with_password(PASSWORD))
 
 
+async def worker_stopped_at_once(env: dict[str, str], code: int) -> str:
+    """Run a worker in ``env``; assert it ended by itself with ``code``, without a traceback or
+    the password; its last line (after the migrations' lines, if it got that far)."""
+    done = await asyncio.to_thread(one_shot, env, "worker", "--app", "waystation.example:app")
+    output = done.stdout + done.stderr
+    assert done.returncode == code, output
+    assert "Traceback" not in output and PASSWORD not in output
+    return done.stderr.strip().splitlines()[-1]
+
+
 def missing_database(settings: Settings) -> str:
     base = URL(settings.database_url.replace("+asyncpg", "")).with_password(PASSWORD)
     return str(base.with_path("/waystation_newcomer_missing"))
@@ -181,11 +191,7 @@ async def test_a_worker_the_broker_refuses_to_log_in_stops_at_once_in_one_line(
     settings: Settings, tmp_path: Path
 ) -> None:
     env = environment(settings, WAYSTATION_AMQP_URL=password_url(settings.amqp_url))
-    done = await asyncio.to_thread(one_shot, env, "worker", "--app", "waystation.example:app")
-    output = done.stdout + done.stderr
-    assert done.returncode == EXIT_BROKER, output
-    assert "Traceback" not in output and PASSWORD not in output
-    last = done.stderr.strip().splitlines()[-1]  # (after the migrations' lines)
+    last = await worker_stopped_at_once(env, EXIT_BROKER)
     # logged as the worker's other lines are (JSON in a container), text here
     assert " ERROR waystation the broker cannot be used: it refused the login" in last
     assert "WAYSTATION_AMQP_URL" in last
@@ -289,11 +295,7 @@ async def test_a_worker_whose_database_role_does_not_exist_stops_at_once_in_one_
             url.with_user("waystation_no_such_role").with_password(PASSWORD)
         ),
     )
-    done = await asyncio.to_thread(one_shot, env, "worker", "--app", "waystation.example:app")
-    output = done.stdout + done.stderr
-    assert done.returncode == EXIT_STORE, output
-    assert "Traceback" not in output and PASSWORD not in output
-    [line] = done.stderr.strip().splitlines()
+    line = await worker_stopped_at_once(env, EXIT_STORE)
     assert "the event log cannot be used: PostgreSQL at" in line and "refused the login" in line
     assert "WAYSTATION_DATABASE_URL" in line and "waystation_no_such_role:***@" in line
 
@@ -317,9 +319,5 @@ async def test_a_worker_that_may_not_create_its_missing_database_stops_at_once(
 ) -> None:
     url = URL(missing_database(settings)).with_user(role_without_createdb)
     env = environment(settings, WAYSTATION_DATABASE_URL=str(url))
-    done = await asyncio.to_thread(one_shot, env, "worker", "--app", "waystation.example:app")
-    output = done.stdout + done.stderr
-    assert done.returncode == EXIT_STORE, output
-    assert "Traceback" not in output and PASSWORD not in output
-    [line] = done.stderr.strip().splitlines()
+    line = await worker_stopped_at_once(env, EXIT_STORE)
     assert "does not allow it" in line and "right to create the database" in line
