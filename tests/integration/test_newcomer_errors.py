@@ -22,7 +22,9 @@ import pytest
 import pytest_asyncio
 from yarl import URL
 
+from scripts.lab.harness.database import fresh_database_url
 from scripts.lab.harness.processes import ROOT
+from waystation import migrations
 from waystation.cli.exits import EXIT_BROKER, EXIT_CONFIG, EXIT_NO_ROUTE, EXIT_STORE
 from waystation.settings import Settings
 
@@ -214,6 +216,25 @@ def test_a_one_shot_command_on_a_missing_database_says_how_to_create_it(
         "WAYSTATION_DATABASE_URL",
         "waystation db upgrade",
         "postgres:***@",
+    )
+
+
+@pytest_asyncio.fixture
+async def empty_database(services: Services) -> AsyncIterator[str]:
+    """A database that exists, but was never migrated."""
+    url = fresh_database_url(services.admin_database_url)
+    await migrations.ensure_database(url)
+    yield url
+    await migrations.drop_database(url)
+
+
+@pytest.mark.parametrize("command", [("status",), ("tasks",), ("history", "t")], ids=" ".join)
+def test_a_one_shot_command_on_a_database_never_migrated_says_how_to_migrate_it(
+    settings: Settings, empty_database: str, command: tuple[str, ...]
+) -> None:
+    env = environment(settings, WAYSTATION_DATABASE_URL=empty_database)
+    failed_in_one_line(
+        one_shot(env, *command), EXIT_STORE, "never migrated", "waystation db upgrade"
     )
 
 

@@ -198,6 +198,12 @@ def _database(error: BaseException, names: set[str], settings: Settings | None) 
             "`waystation db upgrade` creates it (a worker creates it as it starts)",
             EXIT_STORE,
         )
+    if "UndefinedTableError" in names:
+        return Failure(
+            f"the event log cannot be used: the database of {where} has no event log (it was "
+            "never migrated); `waystation db upgrade` migrates it",
+            EXIT_STORE,
+        )
     if _DATABASE_FORBIDDEN in names:
         return Failure(
             f"the event log cannot be used: PostgreSQL at {where} does not allow it ({words}); "
