@@ -155,6 +155,35 @@ async def test_a_worker_whose_broker_refuses_connections_tries_again_and_stops_o
     assert "Traceback" in output  # at debug level, each attempt's traceback (redacted)
 
 
+async def test_a_worker_stuck_connecting_to_a_silent_broker_stops_on_sigterm(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """A server that accepts the connection and never answers (a wrong port of another kind, a
+    broker hung): the worker waits in its connection's handshake, and a signal still stops it."""
+    accepted = asyncio.Event()
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        accepted.set()
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    env = environment(settings, WAYSTATION_AMQP_URL=f"amqp://guest:{PASSWORD}@127.0.0.1:{port}/")
+    worker = Service(env, tmp_path / "worker.log", "worker", "--app", "waystation.example:app")
+    try:
+        await worker.shows("connecting to the broker")
+        await asyncio.wait_for(accepted.wait(), 60)
+        worker.process.send_signal(signal.SIGTERM)
+        assert await worker.exit_code() == 0, worker.output()
+    finally:
+        worker.kill()
+        for writer in held:
+            writer.close()
+        server.close()
+    assert PASSWORD not in worker.output()
+
+
 @pytest.mark.parametrize(
     "command", [("worker", "--app", "waystation.example:app"), ("projections", "run")], ids=" ".join
 )

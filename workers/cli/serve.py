@@ -141,6 +141,9 @@ async def _serve(app: Any, settings: Settings) -> None:
     )
 
     async def start() -> None:
+        from waystation.observability.logs import redact_url
+
+        log.info("connecting to the broker at %s", redact_url(settings.amqp_url))
         try:
             await instance.start()
         except BaseException:

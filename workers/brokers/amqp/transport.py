@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import struct
 from collections.abc import Awaitable
 from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractRobustConnection
+from aio_pika.connection import make_url
 from aiormq.connection import TCPTransportFactory, TLSTransportFactory, TransportFactory
 from yarl import URL
 
@@ -142,8 +144,15 @@ async def guarded_connection(
     """A robust connection to ``url`` whose frames are read through a :class:`GuardedReader`;
     with ``reader=False``, aio-pika's own (for a connection whose content headers the frames'
     dispatcher guards: opened in ``waystation.brokers.amqp.frames.context``)."""
-    return await aio_pika.connect_robust(
-        url,
-        client_properties=client_properties,
-        connection_class=_GuardedConnection if reader else aio_pika.RobustConnection,
-    )
+    connection_class = _GuardedConnection if reader else aio_pika.RobustConnection
+    connection = connection_class(make_url(url), client_properties=client_properties)
+    try:
+        await connection.connect()
+    except BaseException:
+        # aio-pika's reconnection task outlives a first attempt that is cancelled (a signal
+        # while connecting) or fails with what it does not count as a connection error: it
+        # tries again every 5 s, and the process never ends. Closing it ends that task.
+        with contextlib.suppress(Exception):
+            await connection.close()
+        raise
+    return connection
