@@ -25,7 +25,13 @@ from waystation.brokers.port import BrokerUnavailable
 from waystation.cli import main
 from waystation.cli.exits import EXIT_CODES, EXIT_CONFIG, explain
 from waystation.cli.wiring import _command_line_variables
-from waystation.observability.logs import JsonFormatter, TextFormatter, redact, redact_url
+from waystation.observability.logs import (
+    JsonFormatter,
+    TextFormatter,
+    redact,
+    redact_url,
+    redacting_excepthook,
+)
 from waystation.settings import Settings, unknown_variables, variable_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -155,6 +161,16 @@ def test_no_log_line_carries_a_password_not_even_in_its_traceback(
     line = formatter.format(record)
     assert "sekret" not in line
     assert "guest:***@" in line and "u:***@" in line
+
+
+def test_an_uncaught_exception_is_printed_without_a_password(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    error = _raised(RuntimeError("cannot use amqp://guest:sekret@host/"))
+    redacting_excepthook(type(error), error, error.__traceback__)
+    printed = capsys.readouterr().err
+    assert "Traceback" in printed and "RuntimeError" in printed
+    assert "sekret" not in printed and "amqp://guest:***@host/" in printed
 
 
 def test_every_exit_code_is_in_the_help_and_the_troubleshooting_guide() -> None:

@@ -54,9 +54,12 @@ def main(log_level: str, log_format: str) -> None:
     to stdout. A failure you can cause ends in one line that names the setting to check (its
     traceback at --log-level debug).
     """
-    from waystation.observability.logs import configure_logging
+    import sys
+
+    from waystation.observability.logs import configure_logging, redacting_excepthook
 
     configure_logging(log_level, log_format)  # type: ignore[arg-type]
+    sys.excepthook = redacting_excepthook  # a bug's traceback shows no password either
     context = click.get_current_context()
     # the long-running commands log again with their worker id, in the same level and format
     context.obj = {"log_level": log_level, "log_format": log_format}

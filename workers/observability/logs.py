@@ -25,9 +25,10 @@ import contextvars
 import logging
 import re
 import sys
+import traceback
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from types import MappingProxyType
+from types import MappingProxyType, TracebackType
 from typing import Any, Literal, TextIO
 
 import orjson
@@ -41,6 +42,7 @@ __all__ = [
     "log_context",
     "redact",
     "redact_url",
+    "redacting_excepthook",
 ]
 
 CONTEXT_FIELDS = ("task_id", "subtask_id", "trace_id", "waystation_trace_id")
@@ -66,6 +68,14 @@ def redact(text: str) -> str:
 def redact_url(url: str) -> str:
     """``url`` as it may be shown: ``amqp://guest:***@host/``."""
     return redact(url)
+
+
+def redacting_excepthook(
+    kind: type[BaseException], error: BaseException, trace: TracebackType | None
+) -> None:
+    """``sys.excepthook`` that prints an uncaught exception's traceback redacted (a bug's
+    traceback, written by Python rather than by a log handler, may quote a URL too)."""
+    sys.stderr.write(redact("".join(traceback.format_exception(kind, error, trace))))
 
 
 class log_context:  # (named as the function it replaced: ``with log_context(task_id=...)``)
