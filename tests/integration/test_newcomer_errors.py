@@ -155,33 +155,52 @@ async def test_a_worker_whose_broker_refuses_connections_tries_again_and_stops_o
     assert "Traceback" in output  # at debug level, each attempt's traceback (redacted)
 
 
-async def test_a_worker_stuck_connecting_to_a_silent_broker_stops_on_sigterm(
-    settings: Settings, tmp_path: Path
-) -> None:
-    """A server that accepts the connection and never answers (a wrong port of another kind, a
-    broker hung): the worker waits in its connection's handshake, and a signal still stops it."""
-    accepted = asyncio.Event()
-    held: list[asyncio.StreamWriter] = []
+class SilentBroker:
+    """A server that accepts connections and never answers (another service on the broker's
+    port, a broker that hangs): a client waits in the AMQP handshake."""
 
-    async def hold(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-        accepted.set()
+    def __init__(self) -> None:
+        self.accepted = asyncio.Event()
+        self._held: list[asyncio.StreamWriter] = []
 
-    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    async def _hold(self, _: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._held.append(writer)
+        self.accepted.set()
+
+
+@pytest_asyncio.fixture
+async def silent_broker() -> AsyncIterator[tuple[SilentBroker, str]]:
+    silent = SilentBroker()
+    server = await asyncio.start_server(silent._hold, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    env = environment(settings, WAYSTATION_AMQP_URL=f"amqp://guest:{PASSWORD}@127.0.0.1:{port}/")
+    yield silent, f"amqp://guest:{PASSWORD}@127.0.0.1:{port}/"
+    for writer in silent._held:
+        writer.close()
+    server.close()
+
+
+async def test_a_worker_stuck_connecting_to_a_silent_broker_stops_on_sigterm(
+    settings: Settings, tmp_path: Path, silent_broker: tuple[SilentBroker, str]
+) -> None:
+    silent, url = silent_broker
+    env = environment(settings, WAYSTATION_AMQP_URL=url)
     worker = Service(env, tmp_path / "worker.log", "worker", "--app", "waystation.example:app")
     try:
         await worker.shows("connecting to the broker")
-        await asyncio.wait_for(accepted.wait(), 60)
+        await asyncio.wait_for(silent.accepted.wait(), 60)
         worker.process.send_signal(signal.SIGTERM)
         assert await worker.exit_code() == 0, worker.output()
     finally:
         worker.kill()
-        for writer in held:
-            writer.close()
-        server.close()
     assert PASSWORD not in worker.output()
+
+
+async def test_a_one_shot_command_on_a_silent_broker_gives_up_in_one_line(
+    settings: Settings, silent_broker: tuple[SilentBroker, str]
+) -> None:
+    env = environment(settings, WAYSTATION_AMQP_URL=silent_broker[1])
+    done = await asyncio.to_thread(one_shot, env, "submit", "orchestrator")
+    failed_in_one_line(done, EXIT_BROKER, "no answer within", "WAYSTATION_AMQP_URL")
 
 
 @pytest.mark.parametrize(

@@ -157,6 +157,10 @@ def _broker(error: BaseException, names: set[str], settings: Settings | None) ->
     if not any(isinstance(each, OSError | TimeoutError) for each in _chain(error)):
         if "BrokerUnavailable" not in names and "AMQPConnectionError" not in names:
             return None
+    if any(isinstance(each, TimeoutError) for each in _chain(error)):
+        from waystation.brokers.amqp.transport import CONNECT_TIMEOUT
+
+        words = f"no answer within {CONNECT_TIMEOUT:g} s"
     return Failure(
         f"the broker cannot be used: cannot reach it at {where} ({words}); is RabbitMQ "
         "running there, on that port?",

@@ -37,7 +37,12 @@ from yarl import URL
 
 from waystation.brokers.metadata import guard_content_header
 
-__all__ = ["GuardedReader", "GuardedTransport", "guarded_connection"]
+__all__ = ["CONNECT_TIMEOUT", "GuardedReader", "GuardedTransport", "guarded_connection"]
+
+CONNECT_TIMEOUT = 15.0
+"""Seconds an attempt to open a connection may take, the AMQP handshake included: a server that
+accepts and never answers (another service on that port, a broker that hangs) fails it as
+``TimeoutError``, rather than keeping a command (or a worker's start) waiting for ever."""
 
 _HEAD = struct.Struct(">BHI")  # frame type, channel, payload size
 _CONTENT_HEADER = 2
@@ -147,7 +152,7 @@ async def guarded_connection(
     connection_class = _GuardedConnection if reader else aio_pika.RobustConnection
     connection = connection_class(make_url(url), client_properties=client_properties)
     try:
-        await connection.connect()
+        await connection.connect(timeout=CONNECT_TIMEOUT)
     except BaseException:
         # aio-pika's reconnection task outlives a first attempt that is cancelled (a signal
         # while connecting) or fails with what it does not count as a connection error: it
