@@ -121,8 +121,8 @@ def explain(error: BaseException, settings: Settings | None) -> Failure | None:
     if isinstance(error, Failure):
         return error
     names = _names(error)
-    if "PublishError" in names:
-        return _no_route(error, settings)
+    if "PublishError" in names and (failure := _no_route(error, settings)) is not None:
+        return failure
     modules = _modules(error)
     if names & {"BrokerError", "BrokerUnavailable"} or modules & {"aiormq", "aio_pika", "pamqp"}:
         return _broker(error, names, settings)
@@ -230,11 +230,13 @@ def _database(error: BaseException, names: set[str], settings: Settings | None) 
     return None
 
 
-def _no_route(error: BaseException, settings: Settings | None) -> Failure:
+def _no_route(error: BaseException, settings: Settings | None) -> Failure | None:
     frame = next(
         (getattr(e.message, "delivery", None) for e in _chain(error) if hasattr(e, "message")),
         None,
     )
+    if getattr(frame, "reply_text", None) != "NO_ROUTE":
+        return None  # (a message returned for another reason is none a user caused)
     queue = str(getattr(frame, "routing_key", "") or "?")
     prefix = settings.queue_prefix if settings else ""
     agent = queue.removeprefix(prefix) if prefix else queue
