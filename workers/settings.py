@@ -6,14 +6,32 @@ test), and passed down.
 
 from __future__ import annotations
 
+import difflib
 import os
 import socket
+from collections.abc import Iterable, Mapping
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "asyncpg_url"]
+__all__ = [
+    "HARNESS_PREFIX",
+    "HARNESS_VARIABLES",
+    "PREFIX",
+    "Settings",
+    "amqp_url",
+    "asyncpg_url",
+    "unknown_variables",
+    "variable_of",
+]
+
+PREFIX = "WAYSTATION_"
+HARNESS_PREFIX = "WAYSTATION_TEST_"
+"""Variables of the test harness (``WAYSTATION_TEST_DATABASE_URL``, ...): never settings."""
+HARNESS_VARIABLES = frozenset({"WAYSTATION_SIM_SEEDS"})
+"""Other variables the project's scripts read (the simulation's seeds)."""
 
 _DRIVER = "postgresql+asyncpg"
 _PLAIN_SCHEMES = ("postgresql", "postgres")
@@ -38,6 +56,49 @@ def asyncpg_url(url: str) -> str:
     raise ValueError(f"is not a PostgreSQL URL (scheme {scheme!r}); write postgresql://...")
 
 
+def amqp_url(url: str) -> str:
+    """``url`` if it is an AMQP URL with a host; refused otherwise, saying what to write (a
+    malformed one would have the broker's client retry it forever)."""
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme not in ("amqp", "amqps"):
+        raise ValueError(
+            "is not an AMQP URL; write amqp://user:password@host:5672/vhost (or amqps://)"
+        )
+    try:
+        host = urlsplit(url).hostname
+    except ValueError as error:  # a port that is not a number
+        raise ValueError(f"is not a valid URL ({error})") from None
+    if not host:
+        raise ValueError("names no host; write amqp://user:password@host:5672/vhost")
+    return url
+
+
+def variable_of(field: str) -> str:
+    """The environment variable of the setting ``field``: ``WAYSTATION_CONCURRENCY``."""
+    return PREFIX + field.upper()
+
+
+def unknown_variables(
+    environ: Mapping[str, str], known: Iterable[str] = ()
+) -> list[tuple[str, str | None]]:
+    """Each ``WAYSTATION_*`` variable of ``environ`` that is neither a setting, nor in
+    ``known`` (those the command line reads), nor the test harness's, with the known name it
+    most resembles (None when none does): a misspelled setting is not silently ignored."""
+    names = {variable_of(field) for field in Settings.model_fields} | set(known)
+    names |= HARNESS_VARIABLES
+    unknown = []
+    for name in sorted(environ):
+        upper = name.upper()  # (the settings are read whatever their case)
+        if not upper.startswith(PREFIX) or upper.startswith(HARNESS_PREFIX) or upper in names:
+            continue
+        # compared without the prefix they all share, which would make any two look alike
+        close = difflib.get_close_matches(
+            upper.removeprefix(PREFIX), sorted(n.removeprefix(PREFIX) for n in names), n=1
+        )
+        unknown.append((name, PREFIX + close[0] if close else None))
+    return unknown
+
+
 def _default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -46,7 +107,7 @@ class Settings(BaseSettings):
     """Every setting, its environment variable (``WAYSTATION_`` + upper-case name) and default."""
 
     model_config = SettingsConfigDict(
-        env_prefix="WAYSTATION_",
+        env_prefix=PREFIX,
         extra="ignore",
         # a URL with its password must not be printed back in a validation error
         hide_input_in_errors=True,
@@ -56,6 +117,7 @@ class Settings(BaseSettings):
     """URL of the event log's database, ``postgresql://`` (or ``postgres://``, or SQLAlchemy's
     ``postgresql+asyncpg://``; the driver is always asyncpg). Created if missing."""
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    """URL of the broker, ``amqp://`` or ``amqps://`` with a host; anything else is refused."""
     queue_prefix: str = "waystation."
     """Prepended to every queue and exchange name; one prefix is one isolated deployment."""
     concurrency: int = Field(default=32, ge=1)
@@ -157,3 +219,8 @@ class Settings(BaseSettings):
     @classmethod
     def _asyncpg(cls, url: str) -> str:
         return asyncpg_url(url)
+
+    @field_validator("amqp_url")
+    @classmethod
+    def _amqp(cls, url: str) -> str:
+        return amqp_url(url)

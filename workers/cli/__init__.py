@@ -17,9 +17,12 @@ and :mod:`.wiring` builds what they share: the settings, the event loop, the bac
 
 from __future__ import annotations
 
+import inspect
+
 import click
 
 from waystation.cli import admin, agents, audit, results, schema, serve, tasks
+from waystation.cli.exits import EXIT_CODES
 
 __all__ = ["main"]
 
@@ -46,16 +49,27 @@ __all__ = ["main"]
 def main(log_level: str, log_format: str) -> None:
     """Waystation: durable pause and resume-anywhere for agents that call other agents.
 
-    Settings come from WAYSTATION_* environment variables (see docs/configuration.md).
-    Logs go to stderr; results, tables and --json output to stdout.
+    Settings come from WAYSTATION_* environment variables (see docs/configuration.md);
+    one that is no setting is an error. Logs go to stderr; results, tables and --json output
+    to stdout. A failure you can cause ends in one line that names the setting to check (its
+    traceback at --log-level debug).
     """
-    from waystation.observability.logs import configure_logging
+    import sys
+
+    from waystation.observability.logs import configure_logging, redacting_excepthook
 
     configure_logging(log_level, log_format)  # type: ignore[arg-type]
+    sys.excepthook = redacting_excepthook  # a bug's traceback shows no password either
     context = click.get_current_context()
     # the long-running commands log again with their worker id, in the same level and format
     context.obj = {"log_level": log_level, "log_format": log_format}
 
+
+main.help = (
+    inspect.cleandoc(main.help or "")
+    + "\n\n\b\nExit codes:\n"
+    + "\n".join(f"  {code}  {meaning}" for code, meaning in EXIT_CODES.items())
+)
 
 main.add_command(serve.worker)
 main.add_command(agents.agents)

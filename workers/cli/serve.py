@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from waystation import migrations
-from waystation.cli.wiring import load_app, load_settings, run
+from waystation.cli.wiring import load_app, load_settings, run, until_started
 
 if TYPE_CHECKING:
     from waystation.settings import Settings
@@ -42,8 +42,10 @@ def worker(app_path: str | None, concurrency: int | None) -> None:
     """Run a worker serving every agent of the app until SIGTERM or SIGINT.
 
     Migrates the database first (creating it if needed), declares the queues, and applies the
-    delivery-limit policy. On a signal it stops consuming, lets in-flight messages reach their
-    next commit within WAYSTATION_SHUTDOWN_GRACE seconds, and exits 0.
+    delivery-limit policy. A broker or database not reachable yet is tried again, one line per
+    attempt; a wrong password or a missing vhost ends it (exit 4 or 5). On a signal, in any
+    phase, it stops consuming, lets in-flight messages reach their next commit within
+    WAYSTATION_SHUTDOWN_GRACE seconds, and exits 0.
     """
     settings = load_settings(concurrency=concurrency)
     app = load_app(app_path)
@@ -75,8 +77,10 @@ def _log_as_worker(worker_id: str) -> None:
 
 
 def _run_service(coroutine: Coroutine[Any, Any, None]) -> None:
-    """Run a long-lived process; a metrics port it cannot listen on ends it with a clear line,
-    exit 1."""
+    """Run a long-lived process; a port it cannot listen on ends it with a clear line, exit 1,
+    and a service it cannot use with its own line and code (``waystation.cli.exits``), logged
+    like every other line of the process (JSON in a container)."""
+    from waystation.cli.exits import Failure
     from waystation.observability.metrics import MetricsPortUnavailable
 
     try:
@@ -84,6 +88,9 @@ def _run_service(coroutine: Coroutine[Any, Any, None]) -> None:
     except MetricsPortUnavailable as error:
         log.error("%s", error.strerror)
         sys.exit(1)
+    except Failure as failure:
+        log.error("%s", failure.message)
+        sys.exit(failure.exit_code)
 
 
 GC_THRESHOLD = 50_000
@@ -120,7 +127,9 @@ async def _serve(app: Any, settings: Settings) -> None:
     from waystation.runtime.compose import production_worker
 
     metrics = Metrics()
-    await migrations.upgrade(settings.database_url)
+    stop = _stop_on_signal()  # first: a signal stops the worker while it connects too
+    if not await until_started(stop, lambda: migrations.upgrade(settings.database_url)):
+        return
     store = PostgresEventStore.from_url(settings.database_url, pool_size=settings.db_pool_size)
     instance = production_worker(app, settings, store, metrics=metrics)
     server = HttpServer(
@@ -131,13 +140,23 @@ async def _serve(app: Any, settings: Settings) -> None:
         refresh=lambda: database_gauges(metrics, store, deployment=settings.queue_prefix),
         horizon=store.horizon_holder,
     )
-    stop = _stop_on_signal()
+
+    async def start() -> None:
+        from waystation.observability.logs import redact_url
+
+        log.info("connecting to the broker at %s", redact_url(settings.amqp_url))
+        try:
+            await instance.start()
+        except BaseException:
+            await instance.broker.close()  # a half-open connection is not tried again
+            raise
+
     try:
         await server.start()
-        await instance.start()
-        _spare_the_collector()
-        await stop.wait()
-        log.info("stopping")
+        if await until_started(stop, start):
+            _spare_the_collector()
+            await stop.wait()
+            log.info("stopping")
     finally:
         await instance.stop()
         await server.stop()
@@ -149,7 +168,9 @@ async def _run_projections(settings: Settings) -> None:
     from waystation.observability.metrics import Health, HttpServer, Metrics, projection_gauges
     from waystation.projections.postgres import PROJECTIONS, ProjectionRunner, create_engine
 
-    await migrations.upgrade(settings.database_url)
+    stop = _stop_on_signal()  # first: a signal stops the runner while it connects too
+    if not await until_started(stop, lambda: migrations.upgrade(settings.database_url)):
+        return
     # each projection holds a connection while it runs; /healthz and /metrics need their own
     engine = create_engine(settings.database_url, pool_size=len(PROJECTIONS) + 2)
     runner = ProjectionRunner(
@@ -175,7 +196,6 @@ async def _run_projections(settings: Settings) -> None:
         refresh=lambda: projection_gauges(metrics, engine),
         horizon=lambda: horizon_holder(engine),
     )
-    stop = _stop_on_signal()
     await server.start()
     log.info("projection runner %s started", settings.worker_id)
     try:

@@ -58,7 +58,8 @@ def submit(
     """Submit a task to AGENT with INPUT_JSON and print its result as JSON.
 
     Exit codes: 0 the task completed ok, 1 it completed with an error, 2 bad input,
-    3 no result within --timeout.
+    3 no result within --timeout, 7 no queue for AGENT (no worker serving it has started
+    under WAYSTATION_QUEUE_PREFIX); 5 the broker cannot be used.
     """
     from waystation.policies import delay_step
 
@@ -122,7 +123,8 @@ def cancel(task_id: str, agent: str | None, reason: str | None, timeout: float) 
     """Cancel TASK_ID: durable, cascades to every peer call it waits for.
 
     Prints the task's status afterwards as JSON. Exit codes: 0 cancelled, 1 it had already
-    finished (completed or failed), 2 bad arguments or unknown task, 3 no answer in --timeout.
+    finished (completed or failed), 2 bad arguments or unknown task, 3 no answer in --timeout,
+    7 no queue for its agent.
     """
     settings = load_settings()
     sys.exit(run(_cancel(settings, task_id, agent, reason, timeout)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
@@ -25,18 +26,71 @@ __all__ = [
     "open_store",
     "projection_engine",
     "run",
+    "until_started",
     "with_projection_engine",
 ]
 
 T = TypeVar("T")
 P = ParamSpec("P")
 
+log = logging.getLogger("waystation")
+
+_loaded: list[Settings] = []
+"""The settings this command loaded: a failure names their URLs (redacted)."""
+
 
 def load_settings(**overrides: Any) -> Settings:
-    """Settings from WAYSTATION_* variables; an option given on the command line wins."""
-    from waystation.settings import Settings
+    """Settings from WAYSTATION_* variables; an option given on the command line wins.
 
-    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    A variable that is no setting (a misspelling) or a value a setting cannot take ends the
+    command with one line per variable, naming it (or its option), and ``EXIT_CONFIG``."""
+    from pydantic import ValidationError
+
+    from waystation.cli.exits import EXIT_CONFIG, Failure
+    from waystation.settings import Settings, unknown_variables, variable_of
+
+    given = {k: v for k, v in overrides.items() if v is not None}
+    problems = [
+        f"{name} is not a setting"
+        + (f"; did you mean {close}?" if close else "")
+        + " (docs/configuration.md lists them)"
+        for name, close in unknown_variables(os.environ, _command_line_variables())
+    ]
+    try:
+        settings = Settings(**given)
+    except ValidationError as error:
+        for each in error.errors():
+            field = str(each["loc"][0]) if each["loc"] else "?"
+            name = f"--{field.replace('_', '-')}" if field in given else variable_of(field)
+            value = given.get(field, os.environ.get(name))
+            if value is not None and "url" not in field:  # (a URL may hold a password)
+                name = f"{name}={value}"
+            message = str(each["msg"])
+            if message.startswith("Value error, "):
+                problems.append(f"{name} {message.removeprefix('Value error, ')}")
+            else:
+                problems.append(f"{name}: {message[:1].lower()}{message[1:]}")
+    if problems:
+        raise Failure("\nwaystation: ".join(problems), EXIT_CONFIG)
+    _loaded.append(settings)
+    return settings
+
+
+def _command_line_variables() -> set[str]:
+    """Every variable an option of the running ``waystation`` command reads (``WAYSTATION_APP``,
+    ``WAYSTATION_LOG_LEVEL``, ...), from the commands themselves."""
+    import click
+
+    context = click.get_current_context(silent=True)
+    found: set[str] = set()
+    commands = [context.find_root().command] if context else []
+    while commands:
+        command = commands.pop()
+        for param in command.params:
+            envvar = getattr(param, "envvar", None)
+            found.update([envvar] if isinstance(envvar, str) else envvar or ())
+        commands.extend(getattr(command, "commands", {}).values())
+    return found
 
 
 NO_APP = (
@@ -69,16 +123,12 @@ def load_app(path: str | None) -> Any:
         ) from error
 
 
-EXIT_STORE = 4
-"""Exit code of a command that could not use the event log (its database is missing or down),
-distinct from every command's own codes (a problem found, not in the log, not finished)."""
-
-
 def run(coroutine: Coroutine[Any, Any, T]) -> T:
-    """Run a command's coroutine to completion, on uvloop where it is installed. When the event
-    log cannot be used (the database does not exist, refuses us, or is down), say so in one line
-    naming the setting to check, and exit ``EXIT_STORE``, rather than with a traceback."""
-    from waystation.events.errors import EventStoreError
+    """Run a command's coroutine to completion, on uvloop where it is installed. A failure a
+    user can cause (a broker or database that cannot be used, an agent no queue takes:
+    ``waystation.cli.exits``) ends the command in one line naming the setting to check, with
+    its exit code; its traceback is logged at debug level. Anything else keeps its traceback."""
+    from waystation.cli.exits import explain
 
     try:
         try:
@@ -86,15 +136,50 @@ def run(coroutine: Coroutine[Any, Any, T]) -> T:
         except ImportError:
             return asyncio.run(coroutine)
         return uvloop.run(coroutine)
-    except EventStoreError as error:
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        print(
-            f"waystation: the event log cannot be used ({type(error).__name__}: {first}); "
-            "check WAYSTATION_DATABASE_URL and that PostgreSQL is running "
-            "(`waystation db upgrade` creates the database)",
-            file=sys.stderr,
-        )
-        sys.exit(EXIT_STORE)
+    except Exception as error:
+        failure = explain(error, _loaded[-1] if _loaded else None)
+        if failure is None:
+            raise
+        log.debug("%s", failure.message, exc_info=error)
+        raise failure from None
+
+
+async def until_started(
+    stop: asyncio.Event, start: Callable[[], Awaitable[None]], *, longest: float = 5.0
+) -> bool:
+    """Run ``start`` until it succeeds (True), or until ``stop`` is set (False: a signal
+    stops a service in every phase, its start included).
+
+    A failure that may pass by itself (the broker or the database not reachable yet: compose
+    may start a worker before them) is logged in one line and tried again, after waits that
+    double up to ``longest`` seconds; any other (a wrong password, a missing virtual host)
+    is raised, to end the process with its line and code (:func:`run`)."""
+    from waystation.cli.exits import explain
+
+    delay = 0.5
+    while not stop.is_set():
+        attempt = asyncio.ensure_future(start())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({attempt, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not attempt.done():
+            attempt.cancel()
+            await asyncio.gather(attempt, return_exceptions=True)
+            break
+        error = attempt.exception()
+        if error is None:
+            return True
+        failure = explain(error, _loaded[-1] if _loaded else None)
+        if failure is None or not failure.transient:
+            raise error
+        log.warning("%s; trying again in %.1fs", failure.message, delay)
+        log.debug("the failure", exc_info=error)
+        try:
+            await asyncio.wait_for(stop.wait(), delay)
+        except TimeoutError:
+            delay = min(delay * 2, longest)
+    log.info("stopped while starting")
+    return False
 
 
 def open_store(settings: Settings) -> PostgresEventStore:

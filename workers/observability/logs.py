@@ -14,6 +14,10 @@ publisher's ``x-waystation-trace-id``, or the task's own id), that is printed to
 A line may add fields of its own, as ``extra={"fields": {"agent": ..., "attempt": 2}}``: a JSON
 line has them beside the context's (a handler's failure has its agent and attempt so).
 
+No line carries a password: every line, its traceback included, is written with the password of
+any URL in it replaced by ``***`` (:func:`redact`; aio-pika's reconnection lines and the drivers'
+exceptions quote the URL they were given).
+
 ``WAYSTATION_LOG_FORMAT`` chooses: ``json`` (one object per line), ``text``, or ``auto`` (text
 when stderr is a terminal, JSON otherwise, e.g. in a container).
 """
@@ -22,17 +26,27 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import re
 import sys
+import traceback
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from types import MappingProxyType
+from types import MappingProxyType, TracebackType
 from typing import Any, Literal, TextIO
 
 import orjson
 
 from waystation.observability.tracing.ids import trace_hex
 
-__all__ = ["CONTEXT_FIELDS", "configure_logging", "current_context", "log_context"]
+__all__ = [
+    "CONTEXT_FIELDS",
+    "configure_logging",
+    "current_context",
+    "log_context",
+    "redact",
+    "redact_url",
+    "redacting_excepthook",
+]
 
 CONTEXT_FIELDS = ("task_id", "subtask_id", "trace_id", "waystation_trace_id")
 """Per-message fields, in the order a text line shows them."""
@@ -40,6 +54,31 @@ CONTEXT_FIELDS = ("task_id", "subtask_id", "trace_id", "waystation_trace_id")
 _context: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
     "waystation_log_context", default=MappingProxyType({})
 )
+
+
+_CREDENTIALS = re.compile(r"(^|[/\s'\"(=<,\[])([^\s:/@'\"<>]+):([^\s@/'\"<>]+)@")
+"""``user:password@`` where it starts a URL's authority, or follows a space or a quote (a URL
+written without its ``//``, as in the malformed ``amqps//user:password@host``)."""
+
+
+def redact(text: str) -> str:
+    """``text`` with the password of every ``user:password@`` in it replaced by ``***``."""
+    if "@" not in text:
+        return text
+    return _CREDENTIALS.sub(r"\1\2:***@", text)
+
+
+def redact_url(url: str) -> str:
+    """``url`` as it may be shown: ``amqp://guest:***@host/``."""
+    return redact(url)
+
+
+def redacting_excepthook(
+    kind: type[BaseException], error: BaseException, trace: TracebackType | None
+) -> None:
+    """``sys.excepthook`` that prints an uncaught exception's traceback redacted (a bug's
+    traceback, written by Python rather than by a log handler, may quote a URL too)."""
+    sys.stderr.write(redact("".join(traceback.format_exception(kind, error, trace))))
 
 
 class log_context:  # (named as the function it replaced: ``with log_context(task_id=...)``)
@@ -118,7 +157,7 @@ class JsonFormatter(logging.Formatter):
             entry["exception"] = self.formatException(record.exc_info)
         elif record.exc_text:
             entry["exception"] = record.exc_text
-        return orjson.dumps(entry, default=str).decode()
+        return redact(orjson.dumps(entry, default=str).decode())
 
 
 class TextFormatter(logging.Formatter):
@@ -128,13 +167,17 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+        line = redact(super().format(record))
         fields: dict[str, str] = getattr(record, "waystation", {})
         shown = [f"{n.removesuffix('_id')}={fields[n]}" for n in CONTEXT_FIELDS if n in fields]
         if not shown:
             return line
         head, newline, rest = line.partition("\n")  # keep a traceback below the context
         return f"{head} [{' '.join(shown)}]{newline}{rest}"
+
+
+def _not_transport_errors(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("error when creating transport")
 
 
 def configure_logging(
@@ -158,5 +201,12 @@ def configure_logging(
     root.setLevel(level.upper())
     logging.getLogger("aio_pika").setLevel(logging.WARNING)
     logging.getLogger("aiormq").setLevel(logging.WARNING)
+    # a connection that cannot be made is told once, by whoever tries it (the command's one
+    # line, or aio-pika's reconnection); aiormq's own line says it again but at debug level
+    transport = logging.getLogger("aiormq.connection")
+    if root.level > logging.DEBUG:
+        transport.addFilter(_not_transport_errors)
+    else:
+        transport.removeFilter(_not_transport_errors)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)

@@ -24,18 +24,25 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import struct
 from collections.abc import Awaitable
 from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractRobustConnection
+from aio_pika.connection import make_url
 from aiormq.connection import TCPTransportFactory, TLSTransportFactory, TransportFactory
 from yarl import URL
 
 from waystation.brokers.metadata import guard_content_header
 
-__all__ = ["GuardedReader", "GuardedTransport", "guarded_connection"]
+__all__ = ["CONNECT_TIMEOUT", "GuardedReader", "GuardedTransport", "guarded_connection"]
+
+CONNECT_TIMEOUT = 15.0
+"""Seconds an attempt to open a connection may take, the AMQP handshake included: a server that
+accepts and never answers (another service on that port, a broker that hangs) fails it as
+``TimeoutError``, rather than keeping a command (or a worker's start) waiting for ever."""
 
 _HEAD = struct.Struct(">BHI")  # frame type, channel, payload size
 _CONTENT_HEADER = 2
@@ -142,8 +149,15 @@ async def guarded_connection(
     """A robust connection to ``url`` whose frames are read through a :class:`GuardedReader`;
     with ``reader=False``, aio-pika's own (for a connection whose content headers the frames'
     dispatcher guards: opened in ``waystation.brokers.amqp.frames.context``)."""
-    return await aio_pika.connect_robust(
-        url,
-        client_properties=client_properties,
-        connection_class=_GuardedConnection if reader else aio_pika.RobustConnection,
-    )
+    connection_class = _GuardedConnection if reader else aio_pika.RobustConnection
+    connection = connection_class(make_url(url), client_properties=client_properties)
+    try:
+        await connection.connect(timeout=CONNECT_TIMEOUT)
+    except BaseException:
+        # aio-pika's reconnection task outlives a first attempt that is cancelled (a signal
+        # while connecting) or fails with what it does not count as a connection error: it
+        # tries again every 5 s, and the process never ends. Closing it ends that task.
+        with contextlib.suppress(Exception):
+            await connection.close()
+        raise
+    return connection
