@@ -53,11 +53,23 @@ from waystation.protocol.wire import (
     Names,
 )
 
-__all__ = ["Client", "TaskLookup", "TaskResult"]
+__all__ = ["Client", "NoQueue", "TaskLookup", "TaskResult"]
 
 REPLY_QUEUE_EXPIRES_MS = 30 * 60 * 1000
 KEEP_RESULTS = 10_000
 """How many results a client keeps by default (the most recent)."""
+
+
+class NoQueue(LookupError):
+    """No queue takes tasks for ``agent``: no worker serving it has declared it (under this
+    client's queue prefix). Raised by a delayed submit, which asks before it publishes, since
+    the wait queue would take the task and later drop it; a plain submit's task comes back from
+    the broker instead, as aio-pika's ``PublishError`` (``NO_ROUTE``)."""
+
+    def __init__(self, agent: str, queue: str) -> None:
+        super().__init__(f"no queue {queue!r}: no worker serves agent {agent!r} (start one first)")
+        self.agent = agent
+        self.queue = queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +197,7 @@ class Client:
         spent in the broker's wait queue, not in this client: it may close at once. A delay
         that is negative, not finite or longer raises ``ValueError``; an agent whose queue does
         not exist,
-        ``LookupError`` (a delayed task to no queue would never reach a worker)."""
+        ``NoQueue``, a ``LookupError`` (a delayed task to no queue would never reach a worker)."""
         step = delay_step(delay)
         task_id = task_id or str(uuid.uuid4())
         headers: dict[str, FieldValue] | None = {HEADER_TRACE: trace_id} if trace_id else None
@@ -203,9 +215,7 @@ class Client:
             try:
                 await probe.declare_queue(queue, passive=True)
             except aio_pika.exceptions.ChannelNotFoundEntity:
-                raise LookupError(
-                    f"no queue {queue!r}: no worker serves agent {agent!r} (start one first)"
-                ) from None
+                raise NoQueue(agent, queue) from None
         exchange = self._wait_exchanges.get(step)
         if exchange is None:
             name = self.names.wait(step)

@@ -330,8 +330,13 @@ def test_a_one_shot_command_whose_broker_cannot_be_used_fails_in_one_line(
     failed_in_one_line(one_shot(env, *command), code, says, "WAYSTATION_AMQP_URL")
 
 
-def test_submit_to_an_agent_no_worker_serves_names_it_and_what_to_do(settings: Settings) -> None:
-    done = one_shot(environment(settings), "submit", "orchestratr", '{"n": 1}')
+@pytest.mark.parametrize("delay", [(), ("--delay", "2")], ids=["now", "delayed"])
+def test_submit_to_an_agent_no_worker_serves_names_it_and_what_to_do(
+    settings: Settings, delay: tuple[str, ...]
+) -> None:
+    # a delayed submit asks whether the queue exists before it publishes (the wait queue would
+    # take the task and drop it later): the same line and code as the broker's NO_ROUTE
+    done = one_shot(environment(settings), "submit", "orchestratr", '{"n": 1}', *delay)
     line = failed_in_one_line(
         done, EXIT_NO_ROUTE, "agent 'orchestratr'", "WAYSTATION_QUEUE_PREFIX", "waystation agents"
     )

@@ -121,7 +121,7 @@ def explain(error: BaseException, settings: Settings | None) -> Failure | None:
     if isinstance(error, Failure):
         return error
     names = _names(error)
-    if "PublishError" in names and (failure := _no_route(error, settings)) is not None:
+    if names & {"PublishError", "NoQueue"} and (failure := _no_route(error, settings)):
         return failure
     modules = _modules(error)
     if names & {"BrokerError", "BrokerUnavailable"} or modules & {"aiormq", "aio_pika", "pamqp"}:
@@ -231,14 +231,20 @@ def _database(error: BaseException, names: set[str], settings: Settings | None) 
 
 
 def _no_route(error: BaseException, settings: Settings | None) -> Failure | None:
+    prefix = settings.queue_prefix if settings else ""
+    for each in _chain(error):
+        if type(each).__name__ == "NoQueue":  # a delayed submit's (waystation.client)
+            return _no_queue(str(getattr(each, "queue", "?")), prefix)
     frame = next(
         (getattr(e.message, "delivery", None) for e in _chain(error) if hasattr(e, "message")),
         None,
     )
     if getattr(frame, "reply_text", None) != "NO_ROUTE":
         return None  # (a message returned for another reason is none a user caused)
-    queue = str(getattr(frame, "routing_key", "") or "?")
-    prefix = settings.queue_prefix if settings else ""
+    return _no_queue(str(getattr(frame, "routing_key", "") or "?"), prefix)
+
+
+def _no_queue(queue: str, prefix: str) -> Failure:
     agent = queue.removeprefix(prefix) if prefix else queue
     return Failure(
         f"no queue {queue!r} for agent {agent!r} (WAYSTATION_QUEUE_PREFIX={prefix!r}); no "
