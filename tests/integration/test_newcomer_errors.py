@@ -133,6 +133,23 @@ class Service:
             self.process.wait()
 
 
+async def tried_again_then_stopped(
+    env: dict[str, str], log: Path, *command: str, signum: int = signal.SIGTERM
+) -> str:
+    """The output of a service that met a failure which may pass, said it tries again, and
+    stopped with exit code 0 on ``signum``, in that phase."""
+    service = Service(env, log, *command)
+    try:
+        await service.shows("trying again")
+        service.process.send_signal(signum)
+        assert await service.exit_code() == 0, service.output()
+    finally:
+        service.kill()
+    output = service.output()
+    assert PASSWORD not in output
+    return output
+
+
 # ---- a long-running process -----------------------------------------------------------------
 
 
@@ -141,18 +158,29 @@ async def test_a_worker_whose_broker_refuses_connections_tries_again_and_stops_o
     settings: Settings, tmp_path: Path, signum: signal.Signals
 ) -> None:
     env = environment(settings, WAYSTATION_AMQP_URL=REFUSED_BROKER)
-    worker = Service(env, tmp_path / "worker.log", "worker", "--app", "waystation.example:app")
-    try:
-        await worker.shows("trying again")
-        worker.process.send_signal(signum)
-        assert await worker.exit_code() == 0, worker.output()
-    finally:
-        worker.kill()
-    output = worker.output()
-    assert PASSWORD not in output
+    output = await tried_again_then_stopped(
+        env, tmp_path / "worker.log", "worker", "--app", "waystation.example:app", signum=signum
+    )
     assert "the broker cannot be used" in output and "WAYSTATION_AMQP_URL" in output
     assert "amqp://guest:***@127.0.0.1:1/" in output
     assert "Traceback" in output  # at debug level, each attempt's traceback (redacted)
+
+
+async def test_a_worker_whose_management_api_is_not_up_tries_again_and_stops_on_sigterm(
+    settings: Settings, tmp_path: Path
+) -> None:
+    # compose applies the queue policy through RabbitMQ's management API, which may answer
+    # after the broker does: a worker tries again in one line, as for the broker itself
+    env = environment(
+        settings,
+        WAYSTATION_BROKER_POLICY="management",
+        WAYSTATION_MANAGEMENT_URL=f"http://guest:{PASSWORD}@127.0.0.1:1/",
+    )
+    output = await tried_again_then_stopped(
+        env, tmp_path / "worker.log", "worker", "--app", "waystation.example:app"
+    )
+    assert "the broker's queue policy cannot be applied" in output
+    assert "WAYSTATION_MANAGEMENT_URL" in output and "http://127.0.0.1:1" in output
 
 
 class SilentBroker:
@@ -210,15 +238,7 @@ async def test_a_service_whose_database_is_down_tries_again_and_stops_on_sigterm
     settings: Settings, tmp_path: Path, command: tuple[str, ...]
 ) -> None:
     env = environment(settings, WAYSTATION_DATABASE_URL=REFUSED_DATABASE)
-    service = Service(env, tmp_path / "service.log", *command)
-    try:
-        await service.shows("trying again")
-        service.process.send_signal(signal.SIGTERM)
-        assert await service.exit_code() == 0, service.output()
-    finally:
-        service.kill()
-    output = service.output()
-    assert PASSWORD not in output
+    output = await tried_again_then_stopped(env, tmp_path / "service.log", *command)
     assert "cannot reach PostgreSQL" in output and "WAYSTATION_DATABASE_URL" in output
 
 

@@ -123,6 +123,15 @@ def explain(error: BaseException, settings: Settings | None) -> Failure | None:
     names = _names(error)
     if names & {"PublishError", "NoQueue"} and (failure := _no_route(error, settings)):
         return failure
+    for each in _chain(error):
+        if type(each).__name__ == "PolicyNotApplied":  # waystation.brokers.amqp.topology
+            return Failure(
+                f"the broker's queue policy cannot be applied: {each} "
+                f"({getattr(each, 'setting', 'WAYSTATION_BROKER_POLICY')}; "
+                "WAYSTATION_BROKER_POLICY=none leaves it to the broker's definitions)",
+                EXIT_BROKER,
+                transient=bool(getattr(each, "transient", False)),
+            )
     modules = _modules(error)
     if names & {"BrokerError", "BrokerUnavailable"} or modules & {"aiormq", "aio_pika", "pamqp"}:
         return _broker(error, names, settings)

@@ -27,6 +27,7 @@ from waystation.protocol.wire import Names
 from waystation.runtime.verdicts import crash_limit
 
 __all__ = [
+    "PolicyNotApplied",
     "amqp_user_of",
     "apply_policy",
     "clear_policy",
@@ -84,13 +85,27 @@ def policy_definition(names: Names, delivery_limit: int) -> tuple[str, dict[str,
     }
 
 
+class PolicyNotApplied(RuntimeError):
+    """The queue policy could not be applied as ``WAYSTATION_BROKER_POLICY`` asks. ``transient``:
+    it may pass by itself (the management API not reachable yet: compose may start a worker
+    before RabbitMQ's plugin answers), so a starting worker tries again."""
+
+    def __init__(self, message: str, *, setting: str, transient: bool = False) -> None:
+        super().__init__(message)
+        self.setting = setting
+        self.transient = transient
+
+
 async def _rabbitmqctl(*args: str) -> None:
     process = await asyncio.create_subprocess_exec(
         "rabbitmqctl", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
     out, err = await process.communicate()
     if process.returncode != 0:
-        raise RuntimeError(f"rabbitmqctl {args[0]} failed: {(err or out).decode().strip()}")
+        raise PolicyNotApplied(
+            f"rabbitmqctl {args[0]} failed: {(err or out).decode().strip()}",
+            setting="WAYSTATION_BROKER_POLICY",
+        )
 
 
 def vhost_of(amqp_url: str) -> str:
@@ -136,14 +151,18 @@ async def _put_policy(
             session.put(endpoint + quote(name, safe=""), json=body) as response,
         ):
             if response.status >= 300:
-                raise RuntimeError(
-                    f"the management API refused the policy {name!r} "
-                    f"({response.status}: {(await response.text()).strip()})"
+                raise PolicyNotApplied(
+                    f"the management API at {base.with_user(None)} refused the policy {name!r} "
+                    f"({response.status}: {(await response.text()).strip()})",
+                    setting="WAYSTATION_MANAGEMENT_URL",
                 )
-    except aiohttp.ClientError as error:
-        raise RuntimeError(
+    except (aiohttp.ClientError, TimeoutError) as error:
+        raise PolicyNotApplied(
             f"cannot reach RabbitMQ's management API at {base.with_user(None)} to set the "
-            f"policy {name!r}: {error}"
+            f"policy {name!r} ({type(error).__name__}: {error}); is its management plugin "
+            "enabled there?",
+            setting="WAYSTATION_MANAGEMENT_URL",
+            transient=True,
         ) from error
 
 
@@ -168,8 +187,9 @@ async def apply_policy(
         return True
     if shutil.which("rabbitmqctl") is None:
         if mode == "rabbitmqctl":
-            raise RuntimeError(
-                "WAYSTATION_BROKER_POLICY=rabbitmqctl but rabbitmqctl is not installed"
+            raise PolicyNotApplied(
+                "WAYSTATION_BROKER_POLICY=rabbitmqctl but rabbitmqctl is not installed here",
+                setting="WAYSTATION_BROKER_POLICY",
             )
         log.warning(
             "rabbitmqctl not found: the delivery-limit policy %r is not applied here; set "
