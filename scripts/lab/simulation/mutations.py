@@ -26,6 +26,7 @@ import waystation.runtime.flows
 import waystation.runtime.flows.base
 import waystation.runtime.flows.cancel
 import waystation.runtime.flows.reply
+import waystation.runtime.flows.undeliverable
 import waystation.runtime.outbox
 import waystation.runtime.publishing
 import waystation.runtime.recorder
@@ -438,6 +439,16 @@ MUTATIONS: dict[str, list[Patch]] = {
     ],
     # G10 with G1: an answer published without waiting, after the ack
     "answer-after-ack": [(waystation.runtime.settle.Settler, "answer", _answer_without_waiting)],
+    # issue 30: an answer to a publisher that did not wait dead-lettered (unroutable), where it
+    # is counted as undelivered; each path that meets it reads the rule under its own name
+    "gone-publisher-dead-lettered": [
+        (module, "to_gone_publisher", lambda message, error: False)
+        for module in (
+            waystation.runtime.settle,
+            waystation.runtime.outbox,
+            waystation.runtime.flows.undeliverable,
+        )
+    ],
     # issue 28: one refused outbox row stopped its worker's relay
     "relay-stalls-on-a-refusal": [
         (waystation.runtime.outbox.OutboxPublisher, "relay", _relay_keeping_its_unsent)
