@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 
 from scripts.lab.harness.broker import wait_for_consumers
 from scripts.lab.harness.clients import RecordingClient
+from scripts.lab.harness.processes import worker_environment
 from waystation.agent import App, TaskContext
 from waystation.events import Call, Complete, Outcome, Pause
 from waystation.events.codec import loads
@@ -414,13 +415,7 @@ async def test_a_worker_serves_an_app_from_its_current_directory(
     a plain handler with typed payloads, end to end in a real worker process."""
     extra_agents.extend(["splitter", "untyped"])
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    env.update(
-        WAYSTATION_DATABASE_URL=settings.database_url,
-        WAYSTATION_AMQP_URL=settings.amqp_url,
-        WAYSTATION_QUEUE_PREFIX=settings.queue_prefix,
-        WAYSTATION_BROKER_POLICY="none",
-        WAYSTATION_METRICS_PORT="0",
-    )
+    env.update(worker_environment(settings, WAYSTATION_BROKER_POLICY="none"))
     log = (app_dir / "worker.log").open("wb")
     process = await asyncio.create_subprocess_exec(
         WAYSTATION,

@@ -23,7 +23,7 @@ import pytest_asyncio
 from yarl import URL
 
 from scripts.lab.harness.database import fresh_database_url
-from scripts.lab.harness.processes import ROOT
+from scripts.lab.harness.processes import ROOT, worker_environment
 from waystation import migrations
 from waystation.cli.exits import EXIT_BROKER, EXIT_CONFIG, EXIT_NO_ROUTE, EXIT_STORE
 from waystation.settings import Settings
@@ -46,14 +46,11 @@ def environment(settings: Settings, **changes: str) -> dict[str, str]:
         if not name.startswith("WAYSTATION_") or name.startswith("WAYSTATION_TEST_")
     }
     env.update(
-        WAYSTATION_DATABASE_URL=settings.database_url,
-        WAYSTATION_AMQP_URL=settings.amqp_url,
-        WAYSTATION_QUEUE_PREFIX=settings.queue_prefix,
-        WAYSTATION_BROKER_POLICY="none",
-        WAYSTATION_METRICS_PORT="0",
-        WAYSTATION_LOG_FORMAT="text",
+        worker_environment(
+            settings,
+            **{"WAYSTATION_BROKER_POLICY": "none", "WAYSTATION_LOG_FORMAT": "text", **changes},
+        )
     )
-    env.update(changes)
     return env
 
 

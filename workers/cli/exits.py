@@ -123,14 +123,15 @@ def explain(error: BaseException, settings: Settings | None) -> Failure | None:
     names = _names(error)
     if names & {"PublishError", "NoQueue"} and (failure := _no_route(error, settings)):
         return failure
+    from waystation.brokers.amqp.topology import PolicyNotApplied
+
     for each in _chain(error):
-        if type(each).__name__ == "PolicyNotApplied":  # waystation.brokers.amqp.topology
+        if isinstance(each, PolicyNotApplied):
             return Failure(
-                f"the broker's queue policy cannot be applied: {each} "
-                f"({getattr(each, 'setting', 'WAYSTATION_BROKER_POLICY')}; "
+                f"the broker's queue policy cannot be applied: {each} ({each.setting}; "
                 "WAYSTATION_BROKER_POLICY=none leaves it to the broker's definitions)",
                 EXIT_BROKER,
-                transient=bool(getattr(each, "transient", False)),
+                transient=each.transient,
             )
     modules = _modules(error)
     if names & {"BrokerError", "BrokerUnavailable"} or modules & {"aiormq", "aio_pika", "pamqp"}:
@@ -240,10 +241,12 @@ def _database(error: BaseException, names: set[str], settings: Settings | None) 
 
 
 def _no_route(error: BaseException, settings: Settings | None) -> Failure | None:
+    from waystation.client import NoQueue
+
     prefix = settings.queue_prefix if settings else ""
     for each in _chain(error):
-        if type(each).__name__ == "NoQueue":  # a delayed submit's (waystation.client)
-            return _no_queue(str(getattr(each, "queue", "?")), prefix)
+        if isinstance(each, NoQueue):  # a delayed submit's
+            return _no_queue(each.queue, prefix)
     frame = next(
         (getattr(e.message, "delivery", None) for e in _chain(error) if hasattr(e, "message")),
         None,
