@@ -130,7 +130,7 @@ class InMemoryEventStore(EventStore):
         )
 
     def _follow_pending_calls(self, recorded: list[RecordedEvent]) -> None:
-        """The same rules as the PostgreSQL trigger (migrations/versions/0002)."""
+        """The same rules as the PostgreSQL trigger (migrations/versions/0002 and 0008)."""
         for event in recorded:
             data = event.data
             if event.event_type == "TaskPaused":
@@ -143,16 +143,20 @@ class InMemoryEventStore(EventStore):
                             float(call["deadline_at"]),
                             0.0,
                             event.metadata.get("deployment") or "",
+                            call.get("kind", "call"),
                         ],
                     )
         for event in recorded:
+            data = event.data
             if event.event_type == "SubtaskClaimed":
                 self._pending.pop(event.data["subtask_id"], None)
             elif event.event_type == "DeadlineExtended":
                 entry = self._pending.get(event.data["subtask_id"])
                 if entry is not None:
                     entry[2], entry[3] = float(event.data["deadline_at"]), 0.0
-            elif event.event_type in ("TaskCompleted", "TaskFailed", "TaskCancelled"):
+            elif event.event_type in ("TaskCompleted", "TaskFailed", "TaskCancelled") or (
+                event.event_type == "TaskResumed" and "abandoned" in data
+            ):
                 for subtask in [k for k, v in self._pending.items() if v[0] == event.stream_id]:
                     del self._pending[subtask]
 
@@ -172,7 +176,9 @@ class InMemoryEventStore(EventStore):
             entry = self._pending[subtask]
             entry[3] = now + lease
             claimed.append(
-                ExpiredCall(subtask_id=subtask, task_id=entry[0], agent=entry[1], now=now)
+                ExpiredCall(
+                    subtask_id=subtask, task_id=entry[0], agent=entry[1], now=now, kind=entry[5]
+                )
             )
         return claimed
 

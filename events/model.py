@@ -7,6 +7,10 @@ JSON-compatible dicts inside the envelopes; :func:`parse` turns a recorded event
 model, upcast first when it was stored under an older schema version
 (:mod:`waystation.events.upcasting`). An event this code cannot read (an unknown type, a schema
 version newer than it knows) is kept as it is and parses to :class:`UnknownEvent`, never dropped.
+
+Over 400 lines on purpose: the events are one vocabulary (the log's schema), read together by
+``fold``, the projections and the auditors, and their envelopes and ``parse`` are how each is
+stored and read back; split, a reader would chase the schema across modules.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ __all__ = [
     "RecordedEvent",
     "ReplyIgnored",
     "ResultRecorded",
+    "SignalReceived",
+    "SignalRefused",
     "SubtaskClaimed",
     "TaskCancelled",
     "TaskCompleted",
@@ -39,6 +45,7 @@ __all__ = [
     "TaskResumed",
     "TaskStarted",
     "UnknownEvent",
+    "WaitKind",
     "event_types",
     "parse",
 ]
@@ -55,22 +62,55 @@ class DomainEvent(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="constants")
     event_type: ClassVar[str]
     schema_version: ClassVar[int] = 1
+    """The current version of the event's schema; what :meth:`storage_version` gives unless an
+    event can be stored in an older one that older code still reads."""
     audit_only: ClassVar[bool] = False
     """Audit events record what was seen but change nothing; they may follow a terminal event."""
     terminal: ClassVar[bool] = False
 
+    def stored_data(self) -> dict[str, JSON]:
+        """The event's data as the log stores it."""
+        return self.model_dump(mode="json")
+
+    def storage_version(self) -> int:
+        """The schema version the event is stored under."""
+        return self.schema_version
+
+
+WaitKind = Literal["call", "signal", "timer"]
+
 
 class PendingCall(BaseModel):
-    """One call a paused task waits for: the sub-task, its peer, its input and its deadline."""
+    """One wait of a paused task: its id, its kind and its deadline.
+
+    A ``call`` waits for a peer's reply (``agent``, ``input``); a ``signal`` for a message named
+    ``name`` sent to the task from outside (``agent`` is empty, ``input`` is None,
+    ``signal_schema`` the JSON Schema its payload must fit, when typed); a ``timer`` for its
+    deadline itself. Whatever its kind, the wait is claimed once (``SubtaskClaimed``) by what
+    ends it: a reply, a signal, the sweeper at its deadline. The fields a call does not use are
+    left out of the stored event, so a pause of calls alone is stored as before they existed.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="constants")
     subtask_id: str
     agent: str
     input: JSON
     deadline_at: float
-    """Seconds since the epoch by which the result must be recorded (measured from dispatch)."""
+    """Seconds since the epoch by which the result must be recorded (measured from dispatch);
+    a timer's moment to fire."""
     dispatched_at: float | None = None
     """When the call was dispatched; extensions of the deadline are bounded from here."""
+    kind: WaitKind = "call"
+    name: str | None = None
+    """A signal's name."""
+    signal_schema: dict[str, JSON] | None = None
+    """The JSON Schema of a typed signal's payload (what a form asking for it shows)."""
+
+
+class CancelledCall(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    subtask_id: str
+    agent: str
 
 
 class TaskStarted(DomainEvent):
@@ -87,10 +127,28 @@ class TaskPaused(DomainEvent):
     """A checkpoint: the handler returned a pause at invocation ``pause`` (1 for the first run)."""
 
     event_type: ClassVar[str] = "TaskPaused"
+    schema_version: ClassVar[int] = 2
     pause: int
     state_delta: dict[str, JSON]
     """Minimal change to the agent's state; a ``None`` value deletes the key."""
     calls: tuple[PendingCall, ...]
+    """The pause's waits, in the order the handler gave them (peer calls, signals, timers)."""
+    until: int | None = None
+    """Resume once this many waits succeeded (``FirstK``), or once that cannot happen any more;
+    None: once every wait has its result."""
+    agent_version: str | None = None
+    """The version of the agent's code that paused (declared on the agent or the app)."""
+
+    def stored_data(self) -> dict[str, JSON]:
+        # the new fields are left out at their defaults, so that a pause of calls alone is
+        # stored (and hashed) byte for byte as before, and read by older code
+        return self.model_dump(mode="json", exclude_defaults=True)
+
+    def storage_version(self) -> int:
+        plain = self.until is None and self.agent_version is None
+        if plain and all(call.kind == "call" for call in self.calls):
+            return 1
+        return self.schema_version
 
 
 class SubtaskClaimed(DomainEvent):
@@ -115,10 +173,20 @@ class ResultRecorded(DomainEvent):
 
 
 class TaskResumed(DomainEvent):
-    """Every call of pause ``pause`` has its result; the task runs again (once per pause)."""
+    """Pause ``pause`` has the results it waits for; the task runs again (once per pause).
+
+    ``abandoned``: the waits still open when a ``FirstK`` pause resumed early. Each is given
+    up: a call is cancelled at its peer, and a reply or a deadline that comes later changes
+    nothing."""
 
     event_type: ClassVar[str] = "TaskResumed"
     pause: int
+    abandoned: tuple[CancelledCall, ...] = ()
+
+    def stored_data(self) -> dict[str, JSON]:
+        if self.abandoned:
+            return self.model_dump(mode="json")
+        return {"pause": self.pause}
 
 
 class TaskCompleted(DomainEvent):
@@ -133,12 +201,6 @@ class TaskFailed(DomainEvent):
     event_type: ClassVar[str] = "TaskFailed"
     terminal: ClassVar[bool] = True
     error: JSON
-
-
-class CancelledCall(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    subtask_id: str
-    agent: str
 
 
 class TaskCancelled(DomainEvent):
@@ -170,6 +232,34 @@ class ReplyIgnored(DomainEvent):
     outcome: str | None = None
 
 
+class SignalReceived(DomainEvent):
+    """A signal came for the task: its id (the AMQP message id, once per signal), its name, its
+    payload and who sent it (the AMQP ``user_id``, which RabbitMQ checks).
+
+    When a wait of the current pause takes it, a ``SubtaskClaimed`` naming ``signal_id`` as its
+    ``message_id`` follows in the same append; otherwise the signal is kept, and the next wait on
+    that name takes it when its pause is recorded."""
+
+    event_type: ClassVar[str] = "SignalReceived"
+    signal_id: str
+    name: str
+    payload: JSON = None
+    sender: str | None = None
+
+
+class SignalRefused(DomainEvent):
+    """Audit only: a signal acked but not applied, and why (the task had finished, its payload
+    did not fit the wait's schema, or the task keeps as many unclaimed signals as it may)."""
+
+    event_type: ClassVar[str] = "SignalRefused"
+    audit_only: ClassVar[bool] = True
+    signal_id: str
+    name: str
+    reason: Literal["finished", "invalid", "too-many"]
+    detail: str | None = None
+    sender: str | None = None
+
+
 class UnknownEvent(DomainEvent):
     """An event this code cannot read; kept verbatim so nothing is lost on read.
 
@@ -199,6 +289,8 @@ _EVENT_TYPES: dict[str, type[DomainEvent]] = {
         TaskCancelled,
         DeadlineExtended,
         ReplyIgnored,
+        SignalReceived,
+        SignalRefused,
     )
 }
 
@@ -251,13 +343,13 @@ class NewEvent:
         return cls(
             event_id=event_id,
             event_type=event.event_type,
-            data=event.model_dump(mode="json"),
+            data=event.stored_data(),
             metadata=(
                 metadata.model_dump(mode="json", exclude_none=True)
                 if isinstance(metadata, EventMetadata)
                 else dict(metadata)
             ),
-            schema_version=event.schema_version,
+            schema_version=event.storage_version(),
         )
 
 

@@ -96,7 +96,8 @@ class OutboxEntry:
 
 @dataclass(frozen=True, slots=True)
 class ExpiredCall:
-    """A pending call whose deadline has passed, leased to one sweeper."""
+    """A pending wait whose deadline has passed, leased to one sweeper: a call or a signal that
+    timed out, or a timer due to fire (``kind``; ``agent`` is empty for the last two)."""
 
     subtask_id: str
     task_id: str
@@ -104,6 +105,7 @@ class ExpiredCall:
     now: float = 0.0
     """The database's clock when it found the call expired (seconds since the epoch): the
     timeout is decided on it, not on the sweeping worker's own clock, which may be behind."""
+    kind: str = "call"
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,8 @@ import hashlib
 import math
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import datetime
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -38,6 +39,8 @@ from .model import (
     RecordedEvent,
     ReplyIgnored,
     ResultRecorded,
+    SignalReceived,
+    SignalRefused,
     SubtaskClaimed,
     TaskCancelled,
     TaskCompleted,
@@ -55,17 +58,22 @@ __all__ = [
     "Call",
     "CallResult",
     "Complete",
+    "FirstK",
     "InvalidTransition",
     "MessageTooLarge",
     "Outcome",
     "Pause",
+    "Signal",
+    "Sleep",
     "TaskState",
+    "Wait",
     "apply_delta",
     "decide_cancel",
     "decide_extension",
     "decide_failure",
     "decide_outcome",
     "decide_reply",
+    "decide_signal",
     "decide_timeout",
     "event_id",
     "fold",
@@ -82,6 +90,15 @@ replies to calls it never made), at most. Anyone who may publish to an agent's r
 send them, naming any task: past this many, they are no longer recorded (the worker
 dead-letters them instead), so that no publisher can grow a stream, which is read and folded
 whole, without bound."""
+MAX_KEPT_SIGNALS = 100
+"""Signals a task keeps that no wait took yet, at most; a signal past this many is refused
+(``SignalRefused``, ``too-many``), so that no sender can grow a stream without bound."""
+MAX_SIGNAL_NAME = 200
+DEFAULT_SIGNAL_TIMEOUT = 86_400.0
+"""How long a ``Signal`` without a timeout is waited for: a day."""
+MAX_WAIT_SECONDS = 366 * 86_400.0
+"""The longest a signal or a timer may be waited for (a call is bounded by
+``WAYSTATION_MAX_CALL_DURATION``)."""
 MAX_TASK_ID_BYTES = 200
 """Longest task id (UTF-8 bytes). It travels in AMQP short strings of at most 255 bytes, and
 Waystation derives ids of up to 55 bytes more from it (``:result``, ``:resume:<pause>``, a
@@ -121,15 +138,53 @@ class Call:
 
 
 @dataclass(frozen=True, slots=True)
-class Pause:
-    """Pause the task until every call has a result.
+class Signal:
+    """Wait for a signal named ``name`` sent to the task from outside (a person's approval, a
+    webhook), for at most ``timeout`` seconds (a day when None). Its result is the signal's
+    payload, or a timeout. ``schema``: the JSON Schema of the payload, recorded on the wait
+    (the worker fills it from the agent's declared signal model)."""
 
-    ``update`` is the change to the agent's state, applied key by key: a value replaces the key,
-    ``None`` deletes it. Everything else in the state stays as it was.
+    name: str
+    timeout: float | None = None
+    schema: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Wait ``seconds``, or until ``until`` (seconds since the epoch, or an aware datetime).
+
+    Nothing holds the task meanwhile: whichever worker sweeps when the timer is due resumes it.
+    Its result is ok, with no value."""
+
+    seconds: float | None = None
+    until: Any = None
+
+
+Wait = Call | Signal | Sleep
+
+
+@dataclass(frozen=True, slots=True)
+class FirstK:
+    """Resume once ``k`` waits of the pause succeeded (``FirstK(1)``: the first), or as soon as
+    ``k`` can no longer be reached; the waits still open then are given up (calls cancelled)."""
+
+    k: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """Pause the task until its waits have their results.
+
+    ``calls``: the waits, in order: peer ``Call`` s, ``Signal`` s, ``Sleep`` s, in any mix.
+    ``until``: ``FirstK(k)`` resumes after the first ``k`` successes; None (the default) once
+    every wait has its result. ``update`` is the change to the agent's state, applied key by
+    key: a value replaces the key, ``None`` deletes it. Everything else in the state stays as it
+    was.
     """
 
-    calls: Sequence[Call]
+    calls: Sequence[Wait]
     update: Mapping[str, Any] = field(default_factory=dict)
+    until: FirstK | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,13 +199,19 @@ Outcome = Pause | Complete
 
 @dataclass(frozen=True, slots=True)
 class CallResult:
-    """The recorded result of one call, as a resumed handler receives it."""
+    """The recorded result of one wait, as a resumed handler receives it.
+
+    ``outcome`` is ``cancelled`` for a wait a ``FirstK`` pause gave up when it resumed. A
+    signal's ``value`` is its payload, ``sender`` who sent it; ``name`` is the signal's."""
 
     subtask_id: str
     agent: str
-    outcome: Literal["ok", "error", "timeout"]
+    outcome: Literal["ok", "error", "timeout", "cancelled"]
     value: Any = None
     error: Any = None
+    kind: str = "call"
+    name: str | None = None
+    sender: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -292,6 +353,16 @@ class TaskState:
     )
     """The agent of every call of every pause (its keys are ``known_calls``): what a fold that
     goes on from this state (``fold(..., start=)``) needs to name the agent of a later result."""
+    until: int | None = None
+    """The latest pause's ``FirstK``, if it has one."""
+    agent_version: str | None = None
+    """The agent version the latest pause recorded."""
+    abandoned: frozenset[str] = frozenset()
+    """Every wait a ``FirstK`` pause gave up when it resumed."""
+    signals: Mapping[str, SignalReceived] = field(default_factory=lambda: MappingProxyType({}))
+    """Every signal the stream recorded, by id (what deduplicates a signal sent twice)."""
+    kept: tuple[str, ...] = ()
+    """The ids of the signals no wait has taken yet, oldest first."""
 
     @property
     def exists(self) -> bool:
@@ -307,8 +378,32 @@ class TaskState:
         return tuple(call for call in self.calls if call.subtask_id not in self.claims)
 
     def results_of_pause(self) -> list[CallResult]:
-        """The latest pause's results, in call order (complete once the task has resumed)."""
-        return [self.results[c.subtask_id] for c in self.calls if c.subtask_id in self.results]
+        """The latest pause's results, in wait order (complete once the task has resumed); a
+        wait a ``FirstK`` pause gave up has a ``cancelled`` result."""
+        results = self.results
+        if not self.abandoned:
+            return [results[c.subtask_id] for c in self.calls if c.subtask_id in results]
+        return [
+            results.get(c.subtask_id)
+            or CallResult(
+                subtask_id=c.subtask_id,
+                agent=c.agent,
+                outcome="cancelled",
+                kind=c.kind,
+                name=c.name,
+            )
+            for c in self.calls
+            if c.subtask_id in results or c.subtask_id in self.abandoned
+        ]
+
+    def open_signal_wait(self, name: str) -> PendingCall | None:
+        """The first unclaimed wait of the latest pause for a signal named ``name``."""
+        if self.status != "paused":
+            return None
+        for wait in self.calls:
+            if wait.kind == "signal" and wait.name == name and wait.subtask_id not in self.claims:
+                return wait
+        return None
 
 
 def fold(
@@ -341,6 +436,11 @@ def fold(
         resumed_at: float | None = None
         unreadable: list[str] = []
         ignored = 0
+        until: int | None = None
+        agent_version: str | None = None
+        abandoned: set[str] | frozenset[str] = frozenset()
+        signals: dict[str, SignalReceived] | Mapping[str, SignalReceived] = MappingProxyType({})
+        kept: list[str] | tuple[str, ...] = ()
     else:
         version, last_hash, status = start.version, start.last_hash, start.status
         agent, input_, reply_to = start.agent, start.input, start.reply_to
@@ -352,6 +452,8 @@ def fold(
         result, error, resumed_at = start.result, start.error, start.resumed_at
         unreadable = list(start.unreadable)
         ignored = start.ignored_replies
+        until, agent_version = start.until, start.agent_version
+        abandoned, signals, kept = start.abandoned, start.signals, start.kept
     for recorded in events:
         version = recorded.stream_version
         last_hash = recorded.hash
@@ -368,22 +470,21 @@ def fold(
             root_id = recorded.metadata.get("correlation_id")
         elif isinstance(event, TaskPaused):
             status, pause, calls = "paused", event.pause, event.calls
+            until, agent_version = event.until, event.agent_version
             state = MappingProxyType(apply_delta(state, event.state_delta))
             agents.update((c.subtask_id, c.agent) for c in event.calls)
         elif isinstance(event, SubtaskClaimed):
             claims[event.subtask_id] = event.message_id
+            if kept and event.message_id in kept:
+                kept = tuple(k for k in kept if k != event.message_id)
         elif isinstance(event, ReplyIgnored):
             ignored += 1
         elif isinstance(event, ResultRecorded):
-            results[event.subtask_id] = CallResult(
-                subtask_id=event.subtask_id,
-                agent=agents.get(event.subtask_id, ""),
-                outcome=event.outcome,
-                value=event.value,
-                error=event.error,
-            )
+            results[event.subtask_id] = _result_of(event, agents, calls, claims, signals)
         elif isinstance(event, TaskResumed):
             status = "resumed"
+            if event.abandoned:
+                abandoned = frozenset(abandoned).union(c.subtask_id for c in event.abandoned)
             occurred = recorded.metadata.get("occurred_at")
             resumed_at = float(occurred) if isinstance(occurred, (int, float)) else None
         elif isinstance(event, TaskCompleted):
@@ -392,6 +493,11 @@ def fold(
             status, error = "failed", event.error
         elif isinstance(event, TaskCancelled):
             status, error = "cancelled", {"type": "cancelled", "message": event.reason}
+        elif isinstance(event, SignalReceived):
+            signals = {**signals, event.signal_id: event}
+            kept = (*kept, event.signal_id)
+        elif isinstance(event, SignalRefused):
+            ignored += 1
         elif isinstance(event, DeadlineExtended):
             calls = tuple(
                 call.model_copy(update={"deadline_at": event.deadline_at})
@@ -422,6 +528,41 @@ def fold(
         unreadable=tuple(unreadable),
         ignored_replies=ignored,
         call_agents=MappingProxyType(agents),
+        until=until,
+        agent_version=agent_version,
+        abandoned=frozenset(abandoned),
+        signals=signals if isinstance(signals, MappingProxyType) else MappingProxyType(signals),
+        kept=tuple(kept),
+    )
+
+
+def _result_of(
+    event: ResultRecorded,
+    agents: Mapping[str, str],
+    calls: Sequence[PendingCall],
+    claims: Mapping[str, str | None],
+    signals: Mapping[str, SignalReceived],
+) -> CallResult:
+    agent = agents.get(event.subtask_id, "")
+    if agent:  # a peer call: most results, told apart without looking the wait up
+        return CallResult(
+            subtask_id=event.subtask_id,
+            agent=agent,
+            outcome=event.outcome,
+            value=event.value,
+            error=event.error,
+        )
+    wait = next((c for c in calls if c.subtask_id == event.subtask_id), None)
+    signal = signals.get(claims.get(event.subtask_id) or "")
+    return CallResult(
+        subtask_id=event.subtask_id,
+        agent="",
+        outcome=event.outcome,
+        value=event.value,
+        error=event.error,
+        kind=wait.kind if wait is not None else "call",
+        name=wait.name if wait is not None else None,
+        sender=signal.sender if signal is not None else None,
     )
 
 
@@ -439,6 +580,7 @@ def decide_outcome(
     max_timeout: float | None = None,
     max_state_bytes: int | None = None,
     max_value_bytes: int | None = None,
+    agent_version: str | None = None,
 ) -> list[DomainEvent]:
     """The events that record a handler's outcome.
 
@@ -449,6 +591,10 @@ def decide_outcome(
     refused with :class:`StateTooLarge`; a result or a call input larger than
     ``max_value_bytes`` (as JSON) with :class:`MessageTooLarge`, and a pause whose sub-task ids
     would be longer than :data:`MAX_TASK_ID_BYTES` with :class:`InvalidTransition`.
+
+    A pause records ``agent_version``. Its signal waits take the signals the task keeps (sent
+    before a wait asked for them), oldest first, in the same append, which may resume it at
+    once.
     """
     if isinstance(outcome, Complete):
         _require_storable(outcome.result, "the result")
@@ -473,8 +619,11 @@ def decide_outcome(
         max_timeout=max_timeout,
         max_state_bytes=max_state_bytes,
         max_value_bytes=max_value_bytes,
+        agent_version=agent_version,
     )
-    return [*first, pause]
+    if not state.kept or not any(w.kind == "signal" for w in pause.calls):
+        return [*first, pause]
+    return [*first, pause, *_take_kept_signals(state, pause)]
 
 
 def _pause(
@@ -486,9 +635,21 @@ def _pause(
     max_timeout: float | None = None,
     max_state_bytes: int | None = None,
     max_value_bytes: int | None = None,
+    agent_version: str | None = None,
 ) -> TaskPaused:
     if not outcome.calls:
         raise InvalidTransition("a pause needs at least one call")
+    until = outcome.until
+    if until is not None and not (
+        isinstance(until, FirstK)
+        and isinstance(until.k, int)
+        and not isinstance(until.k, bool)
+        and 1 <= until.k <= len(outcome.calls)
+    ):
+        raise InvalidTransition(
+            f"until={until!r}: a pause of {len(outcome.calls)} wait(s) resumes on FirstK(k) "
+            f"with 1 <= k <= {len(outcome.calls)}"
+        )
     number = state.pause + 1
     longest = subtask_id(state.task_id, number, len(outcome.calls) - 1)
     if len(longest.encode()) > MAX_TASK_ID_BYTES:
@@ -499,8 +660,13 @@ def _pause(
         )
     calls = []
     for index, call in enumerate(outcome.calls):
+        if isinstance(call, (Signal, Sleep)):
+            calls.append(_other_wait(subtask_id(state.task_id, number, index), index, call, now))
+            continue
         if not isinstance(call, Call) or not isinstance(call.agent, str) or not call.agent:
-            raise InvalidTransition(f"call {index} is not a Call with an agent name")
+            raise InvalidTransition(
+                f"wait {index} is not a Call with an agent name, a Signal or a Sleep"
+            )
         if len(call.agent) > MAX_AGENT_NAME or "\x00" in call.agent:
             raise InvalidTransition(f"call {index} names no agent a queue can have")
         _require_storable(call.input, f"the input of call {index}")
@@ -522,7 +688,164 @@ def _pause(
     delta = _minimal_delta(state.state, outcome.update)
     if max_state_bytes is not None and delta:
         _require_state_fits(apply_delta(state.state, delta), max_state_bytes)
-    return TaskPaused(pause=number, state_delta=delta, calls=tuple(calls))
+    return TaskPaused(
+        pause=number,
+        state_delta=delta,
+        calls=tuple(calls),
+        until=until.k if until is not None and until.k < len(calls) else None,
+        agent_version=agent_version,
+    )
+
+
+def _other_wait(wait_id: str, index: int, wait: Signal | Sleep, now: float) -> PendingCall:
+    """The pending wait of a ``Signal`` or a ``Sleep`` dispatched at ``now``."""
+    if isinstance(wait, Signal):
+        name = wait.name
+        if not isinstance(name, str) or not name or len(name) > MAX_SIGNAL_NAME or "\x00" in name:
+            raise InvalidTransition(
+                f"wait {index}: a signal's name is a non-empty string of at most "
+                f"{MAX_SIGNAL_NAME} characters, not {name!r}"
+            )
+        timeout = DEFAULT_SIGNAL_TIMEOUT if wait.timeout is None else wait.timeout
+        if not _positive(timeout) or timeout > MAX_WAIT_SECONDS:
+            raise InvalidTransition(
+                f"wait {index} (signal {name!r}) has a timeout of {timeout!r}s; it must be a "
+                f"positive number of at most {MAX_WAIT_SECONDS:.0f}"
+            )
+        schema = wait.schema
+        if schema is not None and not isinstance(schema, dict):
+            raise InvalidTransition(f"wait {index} (signal {name!r}): schema must be a JSON Schema")
+        if schema is not None:
+            _require_storable(schema, f"the schema of signal {name!r}")
+        return PendingCall(
+            subtask_id=wait_id,
+            agent="",
+            input=None,
+            deadline_at=now + timeout,
+            dispatched_at=now,
+            kind="signal",
+            name=name,
+            signal_schema=schema,
+        )
+    if not isinstance(wait, Sleep) or (wait.seconds is None) == (wait.until is None):
+        raise InvalidTransition(f"wait {index}: a Sleep takes seconds or until=, one of the two")
+    if wait.until is not None:
+        until = wait.until
+        if isinstance(until, datetime):
+            if until.tzinfo is None:
+                raise InvalidTransition(
+                    f"wait {index}: Sleep(until=) takes an aware datetime (one with a time zone)"
+                )
+            until = until.timestamp()
+        if isinstance(until, bool) or not isinstance(until, (int, float)):
+            raise InvalidTransition(
+                f"wait {index}: Sleep(until=) takes a datetime or seconds since the epoch"
+            )
+        fire_at = max(float(until), now)
+    else:
+        seconds = wait.seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
+            raise InvalidTransition(f"wait {index}: Sleep({seconds!r}): seconds must be >= 0")
+        fire_at = now + seconds
+    if not math.isfinite(fire_at) or fire_at - now > MAX_WAIT_SECONDS:
+        raise InvalidTransition(
+            f"wait {index}: a Sleep lasts at most {MAX_WAIT_SECONDS:.0f}s (366 days)"
+        )
+    return PendingCall(
+        subtask_id=wait_id,
+        agent="",
+        input=None,
+        deadline_at=fire_at,
+        dispatched_at=now,
+        kind="timer",
+    )
+
+
+def _positive(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+def _take_kept_signals(state: TaskState, pause: TaskPaused) -> list[DomainEvent]:
+    """Claims of ``pause``'s signal waits by the signals ``state`` keeps, oldest first; the last
+    claim the pause needs resumes it."""
+    events: list[DomainEvent] = []
+    taken: set[str] = set()
+    paused = replace(
+        state, status="paused", pause=pause.pause, calls=pause.calls, until=pause.until
+    )
+    for wait in pause.calls:
+        if wait.kind != "signal":
+            continue
+        signal_id = next(
+            (k for k in state.kept if k not in taken and state.signals[k].name == wait.name), None
+        )
+        if signal_id is None:
+            continue
+        taken.add(signal_id)
+        claim = _claim(paused, wait.subtask_id, "ok", state.signals[signal_id].payload, signal_id)
+        events.extend(claim)
+        if isinstance(claim[-1], TaskResumed):
+            break
+        paused = _after_claim(paused, wait.subtask_id, signal_id, "ok")
+    return events
+
+
+def _after_claim(state: TaskState, wait_id: str, message_id: str | None, outcome: str) -> TaskState:
+    """``state`` once ``wait_id`` is claimed with ``outcome`` (what deciding one more claim in
+    the same append needs to know)."""
+    wait = next(w for w in state.calls if w.subtask_id == wait_id)
+    result = CallResult(subtask_id=wait_id, agent=wait.agent, outcome=outcome)  # type: ignore[arg-type]
+    return replace(
+        state,
+        claims=MappingProxyType({**state.claims, wait_id: message_id}),
+        results=MappingProxyType({**state.results, wait_id: result}),
+    )
+
+
+def _claim(
+    state: TaskState,
+    wait_id: str,
+    outcome: Literal["ok", "error", "timeout"],
+    value: Any = None,
+    message_id: str | None = None,
+    error: Any = None,
+) -> list[DomainEvent]:
+    """Claim the open wait ``wait_id`` of the paused task with its result; resume the task when
+    that is the result its pause waited for (G2, G3)."""
+    events: list[DomainEvent] = [
+        SubtaskClaimed(subtask_id=wait_id, pause=state.pause, message_id=message_id),
+        ResultRecorded(
+            subtask_id=wait_id, pause=state.pause, outcome=outcome, value=value, error=error
+        ),
+    ]
+    abandoned = _resumes(state, wait_id, outcome)
+    if abandoned is not None:
+        events.append(TaskResumed(pause=state.pause, abandoned=abandoned))
+    return events
+
+
+def _resumes(state: TaskState, wait_id: str, outcome: str) -> tuple[CancelledCall, ...] | None:
+    """Whether claiming ``wait_id`` with ``outcome`` resumes the pause, and if so the waits it
+    gives up (none unless its ``FirstK`` is met, or can no longer be, before they end); None
+    when the pause still waits."""
+    if state.until is None:
+        return () if len(state.outstanding) == 1 else None
+    remaining = [w for w in state.outstanding if w.subtask_id != wait_id]
+    succeeded = (outcome == "ok") + sum(
+        1
+        for w in state.calls
+        if w.subtask_id in state.claims
+        and (r := state.results.get(w.subtask_id)) is not None
+        and r.outcome == "ok"
+    )
+    if remaining and state.until > succeeded and state.until <= succeeded + len(remaining):
+        return None
+    return tuple(CancelledCall(subtask_id=w.subtask_id, agent=w.agent) for w in remaining)
 
 
 def _require_state_fits(state: Mapping[str, Any], limit: int) -> None:
@@ -587,18 +910,13 @@ def _decide_reply(
         return [_ignored(subtask, "duplicate", message_id, outcome)]
     if state.finished:
         return [_ignored(subtask, "late", message_id, outcome)]
-    current = {call.subtask_id for call in state.calls}
-    if state.status != "paused" or subtask not in current:
+    if subtask in state.abandoned:
+        return [_ignored(subtask, "late", message_id, outcome)]
+    if state.status != "paused" or not any(
+        call.subtask_id == subtask and call.kind == "call" for call in state.calls
+    ):
         return [_ignored(subtask, "unknown-call", message_id, outcome)]
-    events: list[DomainEvent] = [
-        SubtaskClaimed(subtask_id=subtask, pause=state.pause, message_id=message_id),
-        ResultRecorded(
-            subtask_id=subtask, pause=state.pause, outcome=outcome, value=value, error=error
-        ),
-    ]
-    if len(state.outstanding) == 1:
-        events.append(TaskResumed(pause=state.pause))
-    return events
+    return _claim(state, subtask, outcome, value, message_id, error)
 
 
 def _ignored(
@@ -616,24 +934,70 @@ def decide_timeout(state: TaskState, subtask: str, *, now: float) -> list[Domain
     A timeout claims the call like a reply does, so whichever of the two is appended first wins
     and the other changes nothing. A call already claimed, a task already finished, or a call
     whose deadline (perhaps just extended) is still ahead of ``now`` gives [].
+
+    The deadline of a signal's wait is its timeout, decided the same way; the deadline of a
+    timer is the moment it fires: its result is ok.
     """
     if subtask in state.claims or state.finished or state.status != "paused":
         return []
     call = next((c for c in state.calls if c.subtask_id == subtask), None)
     if call is None or call.deadline_at > now:
         return []
-    events: list[DomainEvent] = [
-        SubtaskClaimed(subtask_id=subtask, pause=state.pause),
-        ResultRecorded(
-            subtask_id=subtask,
-            pause=state.pause,
-            outcome="timeout",
-            error={"type": "timeout", "message": "no reply before the call's deadline"},
-        ),
-    ]
-    if len(state.outstanding) == 1:
-        events.append(TaskResumed(pause=state.pause))
-    return events
+    if call.kind == "timer":
+        return _claim(state, subtask, "ok")
+    message = (
+        "no reply before the call's deadline"
+        if call.kind == "call"
+        else f"no signal {call.name!r} before the wait's deadline"
+    )
+    return _claim(state, subtask, "timeout", error={"type": "timeout", "message": message})
+
+
+def decide_signal(
+    state: TaskState,
+    name: str,
+    payload: Any,
+    *,
+    signal_id: str,
+    sender: str | None = None,
+    invalid: str | None = None,
+) -> list[DomainEvent]:
+    """The events that record a signal named ``name`` sent to the task (message ``signal_id``).
+
+    The first open wait of the current pause on ``name`` takes it: the signal is recorded, the
+    wait claimed with its payload (the claim names ``signal_id``), and the pause resumed when
+    that was its last result. With no such wait, the signal is kept in the stream for the next
+    wait on ``name`` (at most :data:`MAX_KEPT_SIGNALS` of them). A signal already recorded gives
+    [] (a duplicate: each signal is applied once). A signal for a finished task, one whose
+    payload did not fit the wait's schema (``invalid`` says why), or one past the limit is
+    recorded as refused, audit only, while the stream holds fewer than
+    :data:`MAX_IGNORED_REPLIES` refusals and ignored replies; past that, [].
+
+    A task with no stream gives []: it has not paused yet, finished without the log (G10), or
+    never was; the caller answers the sender that the signal could not be delivered.
+    """
+    if not state.exists or signal_id in state.signals:
+        return []
+    reason: Literal["finished", "invalid", "too-many"] | None = None
+    if state.finished:
+        reason = "finished"
+    elif invalid is not None:
+        reason = "invalid"
+    wait = None if reason else state.open_signal_wait(name)
+    if reason is None and wait is None and len(state.kept) >= MAX_KEPT_SIGNALS:
+        reason = "too-many"
+    if reason is not None:
+        if state.ignored_replies >= MAX_IGNORED_REPLIES:
+            return []
+        return [
+            SignalRefused(
+                signal_id=signal_id, name=name, reason=reason, detail=invalid, sender=sender
+            )
+        ]
+    received = SignalReceived(signal_id=signal_id, name=name, payload=payload, sender=sender)
+    if wait is None:
+        return [received]
+    return [received, *_claim(state, wait.subtask_id, "ok", payload, signal_id)]
 
 
 def decide_extension(
@@ -644,7 +1008,7 @@ def decide_extension(
     if state.status != "paused" or subtask in state.claims or extend_by <= 0:
         return []
     call = next((c for c in state.calls if c.subtask_id == subtask), None)
-    if call is None:
+    if call is None or call.kind != "call":
         return []
     dispatched = call.dispatched_at if call.dispatched_at is not None else now
     deadline = min(now + extend_by, dispatched + max_duration)
@@ -654,7 +1018,8 @@ def decide_extension(
 
 
 def decide_cancel(state: TaskState, reason: str | None = None) -> list[DomainEvent]:
-    """Cancel the task (G7): every call it still waits for is named so each gets a cancel.
+    """Cancel the task (G7): every call it still waits for is named so each gets a cancel
+    (its signals and timers just end with it).
 
     A finished task cannot be cancelled ([]). A task with no stream yet gets one holding only
     the cancellation, so its first run, if it is still going, finds the stream taken.
@@ -662,7 +1027,9 @@ def decide_cancel(state: TaskState, reason: str | None = None) -> list[DomainEve
     if state.finished:
         return []
     pending = tuple(
-        CancelledCall(subtask_id=c.subtask_id, agent=c.agent) for c in state.outstanding
+        CancelledCall(subtask_id=c.subtask_id, agent=c.agent)
+        for c in state.outstanding
+        if c.kind == "call"
     )
     return [TaskCancelled(reason=reason, pending=pending if state.status == "paused" else ())]
 

@@ -29,9 +29,19 @@ data and the reason, rather than crashing the reader or dropping the event:
 ``waystation.projections.audit.verify_stream`` reports it as ``unsupported-version``, so an audit
 never passes over what it could not read.
 
-The upcasters of the built-in event types live in :data:`BUILTIN` (none yet: every built-in type
-is at version 1). Register them here, next to the bump of the class's ``schema_version``; nothing
-else should mutate :data:`BUILTIN`. Code with event types of its own builds its own registry.
+A version that only adds fields with defaults needs no conversion: :meth:`Upcasters.additive`
+registers such a step, and data whose chain is additive alone is read as stored, without a copy.
+
+The upcasters of the built-in event types live in :data:`BUILTIN`. Register them here, next to
+the bump of the class's ``schema_version``; nothing else should mutate :data:`BUILTIN`. Code with
+event types of its own builds its own registry.
+
+Built-in versions:
+
+* ``TaskPaused`` v2 (issue 31) adds to each wait ``kind``, ``name`` and ``signal_schema``, and to
+  the pause ``until`` and ``agent_version``, all with defaults. A pause that uses none of them is
+  still stored as v1, which older code reads; one that does is stored as v2, which older code
+  reads as an unknown event and so decides nothing on (a rolling upgrade stays safe).
 """
 
 from __future__ import annotations
@@ -86,6 +96,11 @@ class Upcasters:
 
         return add
 
+    def additive(self, event_type: str, from_version: int) -> None:
+        """Version ``from_version + 1`` of ``event_type`` only adds fields with defaults: its
+        older data reads as it is."""
+        self.add(event_type, from_version, _additive)
+
     def add(self, event_type: str, from_version: int, upcaster: Upcaster) -> None:
         if from_version < 1:
             raise ValueError(f"schema versions start at 1, not {from_version}")
@@ -116,6 +131,8 @@ class Upcasters:
                     event_type, stored, current, "missing-upcaster", missing_from=version
                 )
             chain.append(step)
+        if all(step is _additive for step in chain):
+            return data
         upcast = copy.deepcopy(data)
         for version, step in enumerate(chain, start=stored):
             upcast = step(upcast)
@@ -127,6 +144,11 @@ class Upcasters:
         return upcast
 
 
+def _additive(data: dict[str, Any]) -> dict[str, Any]:
+    return data
+
+
 BUILTIN = Upcasters()
 """The upcasters of the built-in event types (``waystation.events.model``); ``parse`` uses them by
 default."""
+BUILTIN.additive("TaskPaused", 1)

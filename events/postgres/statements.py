@@ -137,7 +137,7 @@ _CLAIM_EXPIRED = text(
         WHERE deadline_at <= now() AND (leased_until IS NULL OR leased_until <= now())
           AND (CAST(:deployment AS text) IS NULL OR deployment = :deployment)
         ORDER BY deadline_at LIMIT :limit FOR UPDATE SKIP LOCKED)
-    RETURNING subtask_id, task_id, agent, extract(epoch FROM now())::float8
+    RETURNING subtask_id, task_id, agent, extract(epoch FROM now())::float8, kind
     """
 )
 

@@ -382,7 +382,10 @@ class PostgresEventStore(EventStore):
                 rows = (await connection.execute(_CLAIM_EXPIRED, params)).all()
         except Exception as error:
             raise _translate(error) from error
-        return [ExpiredCall(subtask_id=r[0], task_id=r[1], agent=r[2], now=r[3]) for r in rows]
+        return [
+            ExpiredCall(subtask_id=r[0], task_id=r[1], agent=r[2], now=r[3], kind=r[4])
+            for r in rows
+        ]
 
     async def pending_call_deadlines(self, task_id: str) -> dict[str, float]:
         try:

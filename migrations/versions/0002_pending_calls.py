@@ -20,23 +20,7 @@ branch_labels = None
 depends_on = None
 
 
-def upgrade() -> None:
-    op.execute(
-        """
-        CREATE TABLE pending_calls (
-            subtask_id   text        PRIMARY KEY,
-            task_id      text        NOT NULL,
-            agent        text        NOT NULL,
-            deadline_at  timestamptz NOT NULL,
-            leased_until timestamptz,
-            deployment   text        NOT NULL DEFAULT ''
-        )
-        """
-    )
-    op.execute("CREATE INDEX pending_calls_deadline ON pending_calls (deadline_at)")
-    op.execute("CREATE INDEX pending_calls_task ON pending_calls (task_id)")
-    op.execute(
-        """
+FOLLOW_EVENTS = """
         CREATE FUNCTION pending_calls_follow_events() RETURNS trigger LANGUAGE plpgsql AS $$
         DECLARE
             a record;
@@ -70,7 +54,25 @@ def upgrade() -> None:
         END
         $$
         """
+"""The trigger function of this revision (0008 replaces it; its downgrade puts this back)."""
+
+
+def upgrade() -> None:
+    op.execute(
+        """
+        CREATE TABLE pending_calls (
+            subtask_id   text        PRIMARY KEY,
+            task_id      text        NOT NULL,
+            agent        text        NOT NULL,
+            deadline_at  timestamptz NOT NULL,
+            leased_until timestamptz,
+            deployment   text        NOT NULL DEFAULT ''
+        )
+        """
     )
+    op.execute("CREATE INDEX pending_calls_deadline ON pending_calls (deadline_at)")
+    op.execute("CREATE INDEX pending_calls_task ON pending_calls (task_id)")
+    op.execute(FOLLOW_EVENTS)
     op.execute(
         """
         CREATE TRIGGER events_maintain_pending_calls AFTER INSERT ON events

@@ -117,12 +117,12 @@ def test_a_version_newer_than_the_code_knows_is_kept_as_unknown() -> None:
 def test_a_built_in_event_from_a_newer_writer_does_not_crash_fold() -> None:
     started = recorded("TaskStarted", TaskStarted(agent="a", input=1).model_dump(mode="json"), 1)
     newer = dataclasses.replace(
-        recorded("TaskPaused", {"pause": 1, "state_delta": {}, "calls": [], "new": 1}, 2),
+        recorded("TaskPaused", {"pause": 1, "state_delta": {}, "calls": [], "new": 1}, 3),
         stream_version=2,
     )
-    assert TaskPaused.schema_version == 1
+    assert TaskPaused.schema_version == 2
     assert parse(newer) == UnknownEvent(
-        type_name="TaskPaused", data=newer.data, reason="newer-version", stored_version=2
+        type_name="TaskPaused", data=newer.data, reason="newer-version", stored_version=3
     )
     state = fold("t", [started, newer])
     assert (state.status, state.version, state.agent) == ("new", 2, "a")

@@ -299,6 +299,8 @@ def implied_messages(
     for position, event in enumerate(events):
         if isinstance(event, TaskPaused):
             for call in event.calls:
+                if call.kind != "call":
+                    continue  # a signal comes from outside, a timer from the sweeper
                 messages.append(
                     OutboxMessage(
                         message_id=call.subtask_id,
@@ -313,7 +315,20 @@ def implied_messages(
                         },
                     )
                 )
-        elif isinstance(event, TaskResumed) and not _resumed_here(events[position + 1 :]):
+        elif isinstance(event, TaskResumed):
+            for given_up in event.abandoned:
+                if given_up.agent:  # a peer call; a signal's or a timer's wait just ends
+                    messages.append(
+                        cancel_message(
+                            names,
+                            given_up.subtask_id,
+                            given_up.agent,
+                            "not needed: the caller resumed with the first results",
+                            _headers(state, tracing.reply_key(given_up.subtask_id)),
+                        )
+                    )
+            if _resumed_here(events[position + 1 :]):
+                continue
             messages.append(
                 OutboxMessage(
                     message_id=f"{state.task_id}:resume:{event.pause}",
@@ -328,7 +343,7 @@ def implied_messages(
             )
         elif isinstance(event, ResultRecorded) and event.outcome == "timeout":
             agent_of = {call.subtask_id: call.agent for call in state.calls}
-            if event.subtask_id in agent_of:
+            if agent_of.get(event.subtask_id):
                 messages.append(
                     cancel_message(
                         names,

@@ -1,4 +1,8 @@
-"""The deadline sweeper: every worker records a timeout for each call past its deadline (G6).
+"""The deadline sweeper: every worker records a timeout for each wait past its deadline (G6).
+
+A wait is a peer call, a signal or a timer (``waystation.events.model.PendingCall``); a timer's
+deadline is the moment it fires, and ``decide_timeout`` records it as its ok result, so timers of
+any length cost a row in the pending-calls projection and nothing else.
 
 Each sweep leases expired pending calls of this deployment with ``FOR UPDATE SKIP LOCKED`` (so
 two sweepers never take the same call at once) and records each timeout through the same
@@ -102,6 +106,12 @@ class DeadlineSweeper:
                     step="timeout",
                 )
             await self.publishing.publish(committed)
-            if applied.events:
+            if not applied.events:
+                return
+            if call.kind == "timer":
+                log.info("timer %s fired", call.subtask_id)
+            elif call.kind == "signal":
+                log.info("wait %s for a signal timed out", call.subtask_id)
+            else:
                 log.info("call %s to %s timed out", call.subtask_id, call.agent)
                 self.observer.timeout(call.agent)
