@@ -1,7 +1,8 @@
 """Waystation: a broker-driven, event-sourced worker pool for agents that call other agents.
 
 The public API: an :class:`App` of agents whose handlers :class:`Complete` or :class:`Pause` on
-:class:`Call` s to other agents (each run wrapped by the app's :class:`Interceptor` s, if any;
+waits: :class:`Call` s to other agents, :class:`Signal` s from outside, :class:`Sleep` timers,
+all of them or the :class:`FirstK` (each run wrapped by the app's :class:`Interceptor` s, if any;
 its :class:`TaskObserver` s told of each :class:`HandlerFailure`),
 the :class:`Worker` that serves them, and the :class:`Client` that submits tasks. The log is
 ``waystation.events``, its read models ``waystation.projections``, the schema's migrations
@@ -25,7 +26,17 @@ from waystation.agent import (
     TaskContext,
     TaskObserver,
 )
-from waystation.events import Call, CallResult, Complete, Outcome, Pause
+from waystation.events import (
+    Call,
+    CallResult,
+    Complete,
+    FirstK,
+    Outcome,
+    Pause,
+    Signal,
+    Sleep,
+    Wait,
+)
 from waystation.policies import Backoff, Permanent, PolicyError, Rate, TimeLimitExceeded
 from waystation.settings import Settings
 
@@ -54,6 +65,7 @@ __all__ = [
     "CallResult",
     "Client",
     "Complete",
+    "FirstK",
     "Handler",
     "HandlerFailure",
     "Interceptor",
@@ -63,9 +75,12 @@ __all__ = [
     "PolicyError",
     "Rate",
     "Settings",
+    "Signal",
+    "Sleep",
     "TaskContext",
     "TaskObserver",
     "TaskResult",
     "TimeLimitExceeded",
+    "Wait",
     "Worker",
 ]

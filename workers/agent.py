@@ -40,6 +40,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel
@@ -184,6 +185,12 @@ class AgentSpec:
     keep_results: bool = False
     """Record every outcome in the log, also of a task that calls no peers (G10's exception, as
     ``WAYSTATION_AUDIT_ALL_TASKS`` for this agent alone), so that it can be asked for later."""
+    signals: Mapping[str, type[BaseModel]] = field(default_factory=dict)
+    """The model of each signal the agent's tasks wait for, by name: a signal whose payload
+    does not fit is refused (the field named) and the wait goes on."""
+    version: str | None = None
+    """The version of the agent's code, recorded on each pause (the agent's own, else the
+    app's)."""
 
     @property
     def limited(self) -> bool:
@@ -205,6 +212,8 @@ class AgentSpec:
             "rate": self.rate.to_json() if self.rate is not None else None,
             "default_call_timeout": self.default_timeout,
             "keep_results": self.keep_results,
+            "signals": sorted(self.signals),
+            "version": self.version,
         }
 
 
@@ -216,7 +225,11 @@ class App:
         *,
         interceptors: Sequence[Interceptor] = (),
         observers: Sequence[TaskObserver] = (),
+        version: str | None = None,
     ) -> None:
+        """``version``: the version of the app's code, recorded on each pause of an agent that
+        declares none of its own (its release, a git commit): see docs/agents.md#versions."""
+        self._version = _checked_version(version, "the app")
         self._agents: dict[str, AgentSpec] = {}
         self._interceptors = checked_interceptors(interceptors)
         self._observers = checked_observers(observers)
@@ -234,6 +247,8 @@ class App:
         concurrency: int | None = None,
         rate: Rate | str | None = None,
         keep_results: bool = False,
+        signals: Mapping[str, type[BaseModel]] | None = None,
+        version: str | None = None,
     ) -> Callable[[AnyHandler], AnyHandler]:
         """Register the decorated function as the handler of agent ``name``: a coroutine
         function, or a plain function (run in the worker's thread pool). ``input`` and
@@ -244,7 +259,12 @@ class App:
         :class:`~waystation.policies.Rate` or ``"10/s"``); none by default. ``keep_results``
         records every outcome in the log, so that it can be asked for later (by default a task
         that calls no peers records nothing, G10). A policy that cannot work raises
-        :class:`~waystation.policies.PolicyError` here, at import time."""
+        :class:`~waystation.policies.PolicyError` here, at import time.
+
+        ``signals`` maps the name of each signal its tasks wait for (``Signal(name)``) to the
+        pydantic model its payload must fit: every worker checks a signal against it before a
+        wait takes it. ``version``: the version of this agent's code, recorded on each pause
+        (the app's when None)."""
         if not name or any(ch.isspace() for ch in name):
             raise ValueError(f"agent names are non-empty and without spaces: {name!r}")
         for role, model in (("input", input), ("result", result)):
@@ -254,6 +274,8 @@ class App:
         check_time_limit(time_limit)
         check_concurrency(concurrency)
         check_keep_results(keep_results)
+        signal_models = _checked_signals(name, signals)
+        agent_version = _checked_version(version, f"agent {name!r}") or self._version
         pool_rate = as_rate(rate)
         if backoff is not None and not isinstance(backoff, Backoff):
             raise PolicyError(f"backoff must be a workers.Backoff, not {backoff!r}")
@@ -274,6 +296,8 @@ class App:
                 concurrency=concurrency,
                 rate=pool_rate,
                 keep_results=keep_results,
+                signals=signal_models,
+                version=agent_version,
             )
             return handler
 
@@ -295,6 +319,29 @@ class App:
     def observers(self) -> tuple[TaskObserver, ...]:
         """What is told of every failed run of the app's handlers, in order."""
         return self._observers
+
+
+def _checked_signals(
+    agent: str, signals: Mapping[str, type[BaseModel]] | None
+) -> Mapping[str, type[BaseModel]]:
+    if signals is None:
+        return {}
+    if not isinstance(signals, Mapping):
+        raise TypeError(f"agent {agent!r}: signals= maps signal names to pydantic models")
+    for name, model in signals.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"agent {agent!r}: a signal's name is a non-empty string: {name!r}")
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            raise TypeError(
+                f"agent {agent!r}: signals[{name!r}] takes a pydantic model, not {model!r}"
+            )
+    return MappingProxyType(dict(signals))
+
+
+def _checked_version(version: str | None, whose: str) -> str | None:
+    if version is not None and (not isinstance(version, str) or not version.strip()):
+        raise TypeError(f"{whose}: version= takes a non-empty string, not {version!r}")
+    return version
 
 
 def checked_interceptors(interceptors: Sequence[Interceptor]) -> tuple[Interceptor, ...]:

@@ -19,6 +19,13 @@ to the next wait step.
 A task it did not submit (or whose result it lost) can be asked for too: ``result(task_id,
 agent=...)`` and ``lookup(agent, task_id)`` send a ``query`` message, which a worker answers from
 the log (``waystation.runtime.flows.query``); the client itself has no database.
+
+A paused task can be sent a signal: ``signal(task_id, name, payload, agent=...)``
+(``waystation.runtime.flows.signal``), answered with what became of it.
+
+Over 400 lines on purpose: every request the client makes (submit, result, cancel, query,
+signal) shares its one connection, its reply queue and the results it keeps; split, each part
+would reach into the others' state.
 """
 
 from __future__ import annotations
@@ -49,11 +56,12 @@ from waystation.protocol.wire import (
     HEADER_TRACE,
     TYPE_CANCEL,
     TYPE_QUERY,
+    TYPE_SIGNAL,
     TYPE_TASK,
     Names,
 )
 
-__all__ = ["Client", "NoQueue", "TaskLookup", "TaskResult"]
+__all__ = ["Client", "NoQueue", "SignalNotApplied", "TaskLookup", "TaskResult"]
 
 REPLY_QUEUE_EXPIRES_MS = 30 * 60 * 1000
 KEEP_RESULTS = 10_000
@@ -72,6 +80,20 @@ class NoQueue(LookupError):
         self.queue = queue
 
 
+class SignalNotApplied(Exception):
+    """A worker recorded a signal but did not apply it, or could not record it: ``status`` says
+    why (``undeliverable``: the task has finished, or the log has no record of it, or it keeps
+    too many signals; ``invalid``: the payload does not fit the agent's model of the signal, the
+    wait goes on; ``wrong-agent``: the task belongs to another agent), ``message`` how."""
+
+    def __init__(self, task_id: str, name: str, status: str, message: str) -> None:
+        super().__init__(f"signal {name!r} for task {task_id}: {status}: {message}")
+        self.task_id = task_id
+        self.name = name
+        self.status = status
+        self.message = message
+
+
 @dataclass(frozen=True, slots=True)
 class TaskResult:
     task_id: str
@@ -83,6 +105,17 @@ class TaskResult:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+
+def signal_outcome(task_id: str, name: str, answer: TaskResult) -> str:
+    """What became of a signal, from the worker's answer: ``taken``, ``kept`` or
+    ``duplicate``; :class:`SignalNotApplied` when it was not applied."""
+    if answer.ok and isinstance(answer.result, dict):
+        return str(answer.result.get("status"))
+    error = answer.error if isinstance(answer.error, dict) else {}
+    raise SignalNotApplied(
+        task_id, name, str(error.get("type", "error")), str(error.get("message", ""))
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,6 +327,34 @@ class Client:
         if not answer.ok or not isinstance(answer.result, dict):
             raise RuntimeError(f"cancel of {task_id} failed: {answer.error}")
         return str(answer.result.get("status"))
+
+    async def signal(
+        self,
+        task_id: str,
+        name: str,
+        payload: Any = None,
+        *,
+        agent: str,
+        signal_id: str | None = None,
+        timeout: float | None = 30.0,
+    ) -> str:
+        """Send the signal ``name`` with ``payload`` to ``task_id``, a task of ``agent``, and
+        return what became of it: ``taken`` (a wait of the task took it), ``kept`` (no wait on
+        that name yet: the next one takes it) or ``duplicate`` (a signal with this id was
+        recorded already). Raises :class:`SignalNotApplied` when it was not applied.
+
+        ``signal_id``: the signal's id (a new one by default); sending again with the same id
+        is harmless, so a sender that does not know whether its signal arrived sends it again.
+        The sender recorded is this connection's user. ``timeout``: how long to wait for the
+        worker's answer (``TimeoutError``)."""
+        signal_id = signal_id or f"signal:{uuid.uuid4()}"
+        body = {"task_id": task_id, "name": name, "payload": payload}
+        await self._publish(agent, TYPE_SIGNAL, signal_id, dumps(body))
+        try:
+            answer = await self._wait(signal_id, timeout)
+        finally:
+            self._results.pop(signal_id, None)
+        return signal_outcome(task_id, name, answer)
 
     async def lookup(self, agent: str, task_id: str, *, timeout: float | None = 30.0) -> TaskLookup:
         """Ask what the log records about ``task_id``: a ``query`` message to ``agent``'s queue

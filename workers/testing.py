@@ -30,7 +30,7 @@ from waystation.client import TaskResult
 from waystation.events import OutboxMessage
 from waystation.events.codec import dumps, loads
 from waystation.events.memory import InMemoryEventStore
-from waystation.protocol.wire import CONTENT_TYPE, TYPE_TASK, Names
+from waystation.protocol.wire import CONTENT_TYPE, TYPE_SIGNAL, TYPE_TASK, Names
 from waystation.runtime.verdicts import crash_limit
 from waystation.runtime.worker import Worker
 from waystation.settings import Settings
@@ -192,6 +192,44 @@ class InMemoryPool:
     async def call(self, agent: str, input: Any = None, *, timeout: float = 30.0) -> TaskResult:
         """Submit a task and wait for its answer."""
         return await self.result(await self.submit(agent, input), timeout)
+
+    async def signal(
+        self,
+        task_id: str,
+        name: str,
+        payload: Any = None,
+        *,
+        agent: str,
+        signal_id: str | None = None,
+        sender: str | None = None,
+        timeout: float = 30.0,
+    ) -> str:
+        """Send the signal ``name`` to ``task_id`` (a task of ``agent``) as any publisher would,
+        as the AMQP user ``sender``, and return what became of it (``taken``, ``kept``,
+        ``duplicate``); :class:`~waystation.client.SignalNotApplied` when it was not applied.
+        ``Client.signal``'s twin."""
+        from waystation.client import signal_outcome
+
+        signal_id = signal_id or f"signal:{uuid.uuid4()}"
+        properties: dict[str, Any] = {
+            "type": TYPE_SIGNAL,
+            "correlation_id": signal_id,
+            "reply_to": self._reply_queue,
+            "content_type": CONTENT_TYPE,
+        }
+        if sender is not None:
+            properties["user_id"] = sender
+        await self._client.publish(
+            OutboxMessage(
+                message_id=signal_id,
+                routing_key=self.names.tasks(agent),
+                body=dumps({"task_id": task_id, "name": name, "payload": payload}),
+                properties=properties,
+            )
+        )
+        answer = await self.result(signal_id, timeout)
+        del self._results[signal_id]
+        return signal_outcome(task_id, name, answer)
 
     async def _on_answer(self, delivery: Delivery) -> None:
         task_id = delivery.correlation_id or ""

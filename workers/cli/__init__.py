@@ -21,7 +21,7 @@ import inspect
 
 import click
 
-from waystation.cli import admin, agents, audit, results, schema, serve, tasks
+from waystation.cli import admin, agents, audit, results, schema, serve, signals, tasks
 from waystation.cli.exits import EXIT_CODES
 
 __all__ = ["main"]
@@ -75,6 +75,7 @@ main.add_command(serve.worker)
 main.add_command(agents.agents)
 main.add_command(tasks.submit)
 main.add_command(tasks.cancel)
+main.add_command(signals.signal)
 main.add_command(tasks.dead_letters)
 main.add_command(tasks.list_paused_tasks)
 main.add_command(tasks.status)

@@ -49,7 +49,7 @@ EXIT_CODES = {
     0: "done (a worker: stopped by SIGTERM or SIGINT, in any phase)",
     1: "an error: a task failed, a problem found, a metrics port taken (see each --help)",
     2: "usage: a bad option or argument",
-    3: "no answer within --timeout (submit, cancel)",
+    3: "no answer within --timeout (submit, cancel, signal)",
     EXIT_STORE: "the event log's database cannot be used (down, login refused, missing)",
     EXIT_BROKER: "the broker cannot be used (unreachable, login refused, no such vhost)",
     EXIT_CONFIG: "a WAYSTATION_* variable is invalid or unknown",

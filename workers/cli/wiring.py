@@ -189,6 +189,17 @@ def open_store(settings: Settings) -> PostgresEventStore:
     return PostgresEventStore.from_url(settings.database_url, pool_size=1)
 
 
+async def agent_in_log(settings: Settings, task_id: str) -> str | None:
+    """The agent of ``task_id`` as its stream records it; None when the log has no stream."""
+    from waystation.events import fold
+
+    store = open_store(settings)
+    try:
+        return fold(task_id, await store.read_stream(task_id)).agent
+    finally:
+        await store.close()
+
+
 def projection_engine(settings: Settings) -> AsyncEngine:
     from waystation.projections.postgres import create_engine
 

@@ -102,6 +102,7 @@ TYPE_TASK = "task"
 TYPE_RESUME = "resume"
 TYPE_CANCEL = "cancel"
 TYPE_QUERY = "query"
+TYPE_SIGNAL = "signal"
 TYPE_RESULT = "result"
 TYPE_PROGRESS = "progress"
 

@@ -7,7 +7,7 @@ before its effect is durable (G1).
 What each queue takes (``waystation.protocol.wire``):
 
 * ``P<agent>``: ``task`` (:mod:`.task`), ``resume`` (:mod:`.resume`), ``cancel`` (:mod:`.cancel`),
-  ``query`` (:mod:`.query`);
+  ``query`` (:mod:`.query`), ``signal`` (:mod:`.signal`);
 * ``P<agent>.replies``: ``result`` (:mod:`.reply`), ``progress`` (:mod:`.progress`).
 """
 
@@ -23,6 +23,7 @@ from waystation.protocol.wire import (
     TYPE_QUERY,
     TYPE_RESULT,
     TYPE_RESUME,
+    TYPE_SIGNAL,
     TYPE_TASK,
 )
 from waystation.runtime.flows.base import Steps
@@ -31,13 +32,14 @@ from waystation.runtime.flows.progress import handle_progress
 from waystation.runtime.flows.query import handle_query
 from waystation.runtime.flows.reply import handle_reply
 from waystation.runtime.flows.resume import handle_resume
+from waystation.runtime.flows.signal import handle_signal
 from waystation.runtime.flows.task import handle_task
 from waystation.runtime.verdicts import Verdict, dead
 
 __all__ = ["KINDS", "Steps", "dispatch", "kind_label"]
 
 KINDS = {
-    "tasks": frozenset({TYPE_TASK, TYPE_RESUME, TYPE_CANCEL, TYPE_QUERY}),
+    "tasks": frozenset({TYPE_TASK, TYPE_RESUME, TYPE_CANCEL, TYPE_QUERY, TYPE_SIGNAL}),
     "replies": frozenset({TYPE_RESULT, TYPE_PROGRESS}),
 }
 
@@ -69,6 +71,8 @@ async def dispatch(
             return await handle_cancel(steps, delivery, spec, body)
         if message_type == TYPE_QUERY:
             return await handle_query(steps, delivery, spec, body)
+        if message_type == TYPE_SIGNAL:
+            return await handle_signal(steps, delivery, spec, body)
     # a publisher that set reply_to on the task queue asked for an answer (G9)
     return dead(
         "unknown-message-type",

@@ -18,11 +18,13 @@ from pydantic import BaseModel, ValidationError
 from waystation.agent import AgentSpec, App, CallNext, HandlerFailure, Interceptor, TaskContext
 from waystation.brokers.port import Broker, Delivery
 from waystation.events import (
+    Call,
     Complete,
     DomainEvent,
     InvalidTransition,
     Outcome,
     Pause,
+    Signal,
     TaskStarted,
     TaskState,
     decide_failure,
@@ -102,11 +104,16 @@ def _as_json(spec: AgentSpec, outcome: Outcome) -> Outcome:
     result model, call inputs given as models. A result that does not fit can never become
     valid by retrying: an ``InvalidTransition``."""
     if isinstance(outcome, Pause):
-        if not any(isinstance(call.input, BaseModel) for call in outcome.calls):
+        if not any(
+            isinstance(call, Signal) or isinstance(getattr(call, "input", None), BaseModel)
+            for call in outcome.calls
+        ):
             return outcome
         calls = [
-            replace(call, input=call.input.model_dump(mode="json"))
-            if isinstance(call.input, BaseModel)
+            _signal_with_schema(spec, call)
+            if isinstance(call, Signal)
+            else replace(call, input=call.input.model_dump(mode="json"))
+            if isinstance(call, Call) and isinstance(call.input, BaseModel)
             else call
             for call in outcome.calls
         ]
@@ -126,13 +133,42 @@ def _as_json(spec: AgentSpec, outcome: Outcome) -> Outcome:
     return outcome
 
 
+def _signal_with_schema(spec: AgentSpec, signal: Signal) -> Signal:
+    """``signal`` with the JSON Schema of the model its agent declares for it (``signals=``),
+    which every worker checks a signal against. A model given on the ``Signal`` alone could only
+    be checked by the worker that paused, so it must be the declared one."""
+    declared = spec.signals.get(signal.name) if isinstance(signal.name, str) else None
+    given = signal.schema
+    if isinstance(given, type) and issubclass(given, BaseModel) and given is not declared:
+        raise InvalidTransition(
+            f"Signal({signal.name!r}, schema={given.__name__}): declare it on the agent, "
+            f"@app.agent({spec.name!r}, signals={{{signal.name!r}: {given.__name__}}}), so "
+            "that every worker can check the signals sent to it"
+        )
+    if declared is None:
+        return signal
+    return replace(signal, schema=declared.model_json_schema())
+
+
 def _through(interceptor: Interceptor, call_next: CallNext, task: TaskContext) -> Any:
     """One link of the interceptors' chain (``Steps._intercepted``)."""
     return interceptor.run(task, call_next)
 
 
 def resume_context(spec: AgentSpec, state: TaskState) -> TaskContext:
-    """What the handler of a resumed task sees: its input, saved state and the pause's results."""
+    """What the handler of a resumed task sees: its input, saved state and the pause's results.
+
+    A task that paused under another version of its agent's code than this worker's is logged,
+    with both (docs/agents.md#versions): its state and results must still read right."""
+    if state.agent_version != spec.version:
+        log.warning(
+            "task %s paused under version %s of agent %r resumes under version %s",
+            state.task_id,
+            state.agent_version or "(none declared)",
+            spec.name,
+            spec.version or "(none declared)",
+            extra={"paused_version": state.agent_version, "version": spec.version},
+        )
     return TaskContext(
         task_id=state.task_id,
         agent=spec.name,
@@ -187,6 +223,7 @@ class Steps:
             max_timeout=self.settings.max_call_duration,
             max_state_bytes=self.settings.max_state_bytes,
             max_value_bytes=self.max_value_bytes,
+            agent_version=spec.version,
             **options,
         )
 

@@ -1,0 +1,97 @@
+"""``waystation signal``: send a signal to a paused task, as any publisher can (issue 31).
+
+The signal goes to the queue of the task's agent, through the broker, like ``cancel``; the
+worker that takes it records it in the task's stream and answers what became of it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+import click
+
+from waystation.cli.wiring import agent_in_log, load_settings, run
+from waystation.events.codec import dumps, loads
+
+if TYPE_CHECKING:
+    from waystation.settings import Settings
+
+__all__ = ["signal"]
+
+EXIT_NOT_APPLIED = 1
+
+
+@click.command()
+@click.argument("task_id")
+@click.argument("name")
+@click.argument("payload_json", default="null")
+@click.option("--agent", help="The task's agent (default: looked up in the event log).")
+@click.option(
+    "--signal-id",
+    help="The signal's id (default: a new one). Sending again with the same id is harmless: "
+    "a signal is applied once.",
+)
+@click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait.")
+def signal(
+    task_id: str,
+    name: str,
+    payload_json: str,
+    agent: str | None,
+    signal_id: str | None,
+    timeout: float,
+) -> None:
+    """Send the signal NAME with PAYLOAD_JSON to the paused task TASK_ID.
+
+    A wait of the task on NAME takes it, and the task resumes once its pause has what it waits
+    for; with no such wait yet, the task keeps it for the next one. Prints what became of it as
+    JSON: "taken", "kept" or "duplicate".
+
+    Exit codes: 0 taken, kept or a duplicate; 1 not applied (the task has finished, is not in
+    the log, or the payload does not fit the agent's model of the signal: the message says
+    which field); 2 bad arguments; 3 no answer in --timeout; 7 no queue for its agent.
+    """
+    try:
+        payload = loads(payload_json)
+    except ValueError as error:
+        raise click.BadParameter(f"not JSON: {error}", param_hint="PAYLOAD_JSON") from None
+    settings = load_settings()
+    sys.exit(run(_signal(settings, task_id, name, payload, agent, signal_id, timeout)))
+
+
+async def _signal(
+    settings: Settings,
+    task_id: str,
+    name: str,
+    payload: object,
+    agent: str | None,
+    signal_id: str | None,
+    timeout: float,
+) -> int:
+    from waystation.client import Client, SignalNotApplied
+
+    if agent is None:
+        agent = await agent_in_log(settings, task_id)
+        if agent is None:
+            click.echo(
+                f"task {task_id!r} is not in the event log: a signal reaches a task that has "
+                "paused (name its agent with --agent to send it anyway)",
+                err=True,
+            )
+            return 2
+    async with Client(settings.amqp_url, queue_prefix=settings.queue_prefix) as client:
+        try:
+            status = await client.signal(
+                task_id, name, payload, agent=agent, signal_id=signal_id, timeout=timeout
+            )
+        except TimeoutError:
+            click.echo(f"no answer from agent {agent!r} within {timeout}s", err=True)
+            return 3
+        except SignalNotApplied as refused:
+            click.echo(
+                dumps({"task_id": task_id, "signal": name, "status": refused.status}).decode()
+            )
+            click.echo(f"not applied: {refused.message}", err=True)
+            return EXIT_NOT_APPLIED
+    click.echo(dumps({"task_id": task_id, "signal": name, "status": status}).decode())
+    return 0
