@@ -31,6 +31,7 @@ from .harness import WITHIN, World, eventually, settings
 
 pytestmark = pytest.mark.timeout(60)
 
+MINUTE = 60.0
 HOUR = 3600.0
 DAY = 86_400.0
 
@@ -92,6 +93,13 @@ def timers_app() -> App:
         if task.pause == 1:
             return Pause([Sleep(HOUR)], update={"first": [seen(r) for r in task.results]})
         return Complete({"first": task.state["first"], "then": [seen(r) for r in task.results]})
+
+    @app.agent("either")
+    async def either(task: TaskContext) -> Outcome:
+        """The ghost's answer (an hour's call) or a minute, whichever comes first."""
+        if not task.resumed:
+            return Pause([Call("ghost", 0, timeout=HOUR), Sleep(MINUTE)], until=FirstK(1))
+        return Complete([seen(r) for r in task.results])
 
     @app.agent("echo")
     async def echo(task: TaskContext) -> Outcome:
@@ -265,3 +273,23 @@ async def test_first_2_of_3_resumes_once_two_failures_leave_k_out_of_reach() -> 
             ["call", "stuck", "cancelled"],
         ]
         assert answer["result"]["then"] == [["timer", "", "ok", None]]
+
+
+async def test_first_1_of_a_call_and_a_timer_resumes_when_the_timer_fires() -> None:
+    """The sweeper decides this resume (the timer's result is its first success): the call is
+    given up and cancelled there, and the resumed run goes by resume message."""
+    async with timed_world(workers=2) as (w, clock, store):
+        task_id = await w.publish("either", {})
+        ghost = w.names.tasks("ghost")
+        await eventually(lambda: len(w.broker.messages(ghost)) == 1, "the call to ghost")
+        await swept(store, 3)
+        assert of_type(await stream(w, task_id), "TaskResumed") == []
+        clock.advance(2 * MINUTE)  # the timer is due, the call's deadline far ahead
+        answer = await w.answer(task_id)
+        assert answer["result"] == [["call", "ghost", "cancelled", None], ["timer", "", "ok", None]]
+        (resumed,) = of_type(await stream(w, task_id), "TaskResumed")
+        assert resumed.data["abandoned"] == [{"subtask_id": f"{task_id}:1:0", "agent": "ghost"}]
+        await eventually(lambda: len(w.broker.messages(ghost)) == 2, "the cancel of the call")
+        cancel = w.broker.messages(ghost)[1]
+        assert cancel.properties["type"] == TYPE_CANCEL
+        assert loads(cancel.body)["task_id"] == f"{task_id}:1:0"

@@ -21,6 +21,7 @@ from waystation.events import (
     NewEvent,
     Pause,
     RecordedEvent,
+    Signal,
     Sleep,
     TaskStarted,
     TaskState,
@@ -30,7 +31,6 @@ from waystation.events import (
 )
 from waystation.events.chain import recorded_events
 from waystation.events.memory import InMemoryEventStore
-from waystation.events.task import Signal
 from waystation.runtime import combining, streams
 from waystation.runtime.flows.reply import replies_awaited
 from waystation.runtime.recorder import Applied, Cause, Recorder
