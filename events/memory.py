@@ -130,7 +130,9 @@ class InMemoryEventStore(EventStore):
         )
 
     def _follow_pending_calls(self, recorded: list[RecordedEvent]) -> None:
-        """The same rules as the PostgreSQL trigger (migrations/versions/0002 and 0008)."""
+        """The same rules as the PostgreSQL trigger (migrations/versions/0002 and 0008), in one
+        pass in append order as it goes: a ``TaskResumed`` that gives up waits forgets the rows
+        of its pause, never those of the pause a run resumed in place records after it."""
         for event in recorded:
             data = event.data
             if event.event_type == "TaskPaused":
@@ -146,14 +148,12 @@ class InMemoryEventStore(EventStore):
                             call.get("kind", "call"),
                         ],
                     )
-        for event in recorded:
-            data = event.data
-            if event.event_type == "SubtaskClaimed":
-                self._pending.pop(event.data["subtask_id"], None)
+            elif event.event_type == "SubtaskClaimed":
+                self._pending.pop(data["subtask_id"], None)
             elif event.event_type == "DeadlineExtended":
-                entry = self._pending.get(event.data["subtask_id"])
+                entry = self._pending.get(data["subtask_id"])
                 if entry is not None:
-                    entry[2], entry[3] = float(event.data["deadline_at"]), 0.0
+                    entry[2], entry[3] = float(data["deadline_at"]), 0.0
             elif event.event_type in ("TaskCompleted", "TaskFailed", "TaskCancelled") or (
                 event.event_type == "TaskResumed" and "abandoned" in data
             ):

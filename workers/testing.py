@@ -64,8 +64,9 @@ class InMemoryPool:
     would. ``tracer_provider`` is the OpenTelemetry provider the workers' spans go to
     (``Worker``'s). ``workers=0`` starts none: add them with :meth:`add_worker`. ``broker``: an
     in-memory broker of the caller's (one that counts deliveries as RabbitMQ 4.3 does, say)
-    instead of the pool's own. Use it as an ``async with`` block, or call :meth:`start` and
-    :meth:`close`."""
+    instead of the pool's own; ``store``: a log of the caller's (one on a clock of its own, say:
+    its ``wall_clock`` is the database's, which says when a deadline or a timer is due). Use it
+    as an ``async with`` block, or call :meth:`start` and :meth:`close`."""
 
     def __init__(
         self,
@@ -75,6 +76,7 @@ class InMemoryPool:
         settings: Settings | None = None,
         tracer_provider: TracerProvider | None = None,
         broker: InMemoryBroker | None = None,
+        store: InMemoryEventStore | None = None,
         **overrides: Any,
     ) -> None:
         if workers < 0:
@@ -86,7 +88,7 @@ class InMemoryPool:
         # the broker's own backstop, as the deployment's RabbitMQ policy sets it
         limit = crash_limit(self.settings.delivery_limit) + 1
         self.broker = broker or InMemoryBroker(delivery_limit=limit)
-        self.store = InMemoryEventStore()
+        self.store = store or InMemoryEventStore()
         self.slots = MemorySlotLeases()
         self.workers: list[Worker] = []
         self._size = workers

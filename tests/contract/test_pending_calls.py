@@ -25,6 +25,7 @@ import pytest_asyncio
 
 from waystation.events import (
     GENESIS_HASH,
+    CancelledCall,
     DeadlineExtended,
     DomainEvent,
     EventMetadata,
@@ -279,6 +280,26 @@ class PendingCallsContract:
             "progress:1",
         )
         assert [c.subtask_id for c in await claim_all_of_mine(store, tasks)] == [f"{task_id}:1:1"]
+
+    async def test_giving_up_waits_forgets_them_but_not_the_next_pause_of_the_same_append(
+        self, store: EventStore, tasks: Tasks
+    ) -> None:
+        """A ``FirstK`` pause resumed early gives up its open waits (``TaskResumed.abandoned``),
+        and a run resumed in place appends its next pause with it: that pause's waits stay."""
+        task_id = await tasks.paused([PAST, PAST, FUTURE])
+        given_up = tuple(CancelledCall(subtask_id=f"{task_id}:1:{i}", agent="peer") for i in (1, 2))
+        await tasks.append(
+            task_id,
+            [
+                SubtaskClaimed(subtask_id=f"{task_id}:1:0", pause=1),
+                ResultRecorded(subtask_id=f"{task_id}:1:0", pause=1, outcome="ok"),
+                TaskResumed(pause=1, abandoned=given_up),
+                pause(task_id, 2, [PAST]),
+            ],
+            f"reply:{task_id}:1:0",
+        )
+        assert set(await store.pending_call_deadlines(task_id)) == {f"{task_id}:2:0"}
+        assert [c.subtask_id for c in await claim_all_of_mine(store, tasks)] == [f"{task_id}:2:0"]
 
     @pytest.mark.parametrize(
         "terminal",

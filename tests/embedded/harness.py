@@ -16,6 +16,7 @@ from waystation.brokers.memory import InMemoryBroker, InMemoryConnection
 from waystation.brokers.port import Delivery
 from waystation.events import OutboxMessage
 from waystation.events.codec import dumps, loads
+from waystation.events.memory import InMemoryEventStore
 from waystation.protocol.wire import CONTENT_TYPE, Names
 from waystation.runtime.worker import Worker
 from waystation.settings import Settings
@@ -45,13 +46,20 @@ class World(InMemoryPool):
     one by one, with a publisher of its own that sends any message a test needs and collects
     every answer (in ``answers``, by correlation id)."""
 
-    def __init__(self, app: App, config: Settings, *, counting: str = "classic") -> None:
+    def __init__(
+        self,
+        app: App,
+        config: Settings,
+        *,
+        counting: str = "classic",
+        store: InMemoryEventStore | None = None,
+    ) -> None:
         names = Names(config.queue_prefix)
         _, policy = policy_definition(names, config.delivery_limit)
         limit = policy["delivery-limit"]
         assert isinstance(limit, int)
         broker = InMemoryBroker(delivery_limit=limit, counting=counting)  # type: ignore[arg-type]
-        super().__init__(app, workers=0, settings=config, broker=broker)
+        super().__init__(app, workers=0, settings=config, broker=broker, store=store)
         self.answers: dict[str, list[Any]] = defaultdict(list)
         self.publisher: InMemoryConnection = self.broker.connection("publisher")
 

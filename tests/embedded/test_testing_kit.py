@@ -54,15 +54,18 @@ def test_the_docs_script_runs_as_written_from_any_directory(tmp_path: Path) -> N
 
 
 def test_the_docs_have_their_examples_of_the_kit() -> None:
-    """The test kit's own example, the human approval's and the interceptors' (a block that
-    stopped importing the kit would silently stop being run)."""
+    """The test kit's own example, the human approval's, the first quotes' and the
+    interceptors' (a block that stopped importing the kit would silently stop being run)."""
     examples = _the_docs_examples()
-    assert len(examples) == 3
+    assert len(examples) == 4
     assert 'Signal("approval"' in examples[1]
-    assert "class Timing(Interceptor)" in examples[2]
+    assert "until=FirstK(2)" in examples[2] and "Sleep(" in examples[2]
+    assert "class Timing(Interceptor)" in examples[3]
 
 
-@pytest.mark.parametrize("index", [0, 1, 2], ids=["test-kit", "approvals", "interceptors"])
+@pytest.mark.parametrize(
+    "index", [0, 1, 2, 3], ids=["test-kit", "approvals", "timers-first-k", "interceptors"]
+)
 async def test_the_docs_example_runs_as_written(index: int) -> None:
     namespace: dict[str, Any] = {}
     exec(compile(_the_docs_examples()[index], str(DOCS), "exec"), namespace)

@@ -9,12 +9,30 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Sequence
+from typing import Literal
 
 import pytest
 
-from waystation.events import GENESIS_HASH, NewEvent, RecordedEvent, TaskStarted, TaskState, fold
+from waystation.events import (
+    GENESIS_HASH,
+    Call,
+    DomainEvent,
+    FirstK,
+    NewEvent,
+    Pause,
+    RecordedEvent,
+    Signal,
+    Sleep,
+    TaskStarted,
+    TaskState,
+    decide_outcome,
+    decide_reply,
+    fold,
+)
+from waystation.events.chain import recorded_events
 from waystation.events.memory import InMemoryEventStore
 from waystation.runtime import combining, streams
+from waystation.runtime.flows.reply import replies_awaited
 from waystation.runtime.recorder import Applied, Cause, Recorder
 
 from .test_recorder_catch_up import recorder_on
@@ -166,3 +184,37 @@ async def test_without_a_copy_of_the_stream_nothing_waits() -> None:
     recorder.cache.take(TASK)
     await _decision(recorder, [])
     assert "decisions_gathered" not in recorder.observer.stats.counters
+
+
+def _after(state: TaskState, events: Sequence[DomainEvent]) -> TaskState:
+    """``state`` once ``events`` are recorded."""
+    made = [NewEvent.of(uuid.uuid4(), event, {"worker_id": "w-1"}) for event in events]
+    recorded = recorded_events(state.task_id, state.version, made, state.last_hash)
+    return fold(state.task_id, recorded, start=state)
+
+
+def _paused(*waits: Call | Signal | Sleep, until: FirstK | None = None) -> TaskState:
+    new = TaskState(task_id=TASK)
+    start = TaskStarted(agent="boss", input={})
+    pause = Pause(list(waits), until=until)
+    return _after(new, decide_outcome(new, pause, now=1000.0, default_timeout=60.0, start=start))
+
+
+def _replied(state: TaskState, index: int, outcome: Literal["ok", "error"]) -> TaskState:
+    subtask = f"{TASK}:{state.pause}:{index}"
+    return _after(state, decide_reply(state, subtask, outcome=outcome, message_id=subtask))
+
+
+def test_a_reply_gathers_only_for_the_replies_its_pause_can_still_take() -> None:
+    """What the reply flow gathers for (``replies_awaited``): a timer or a signal never sends a
+    reply, a ``FirstK`` pause takes no more than the successes it lacks, and once it resumed
+    early the replies to the waits it gave up come late, with nothing to wait for."""
+    assert replies_awaited(_paused(Sleep(60), Call("peer"), Signal("go"))) == 1
+    three = _paused(Call("a"), Call("b"), Call("c"), until=FirstK(2))
+    assert replies_awaited(three) == 2
+    assert replies_awaited(_replied(three, 0, "error")) == 2
+    one_ok = _replied(three, 0, "ok")
+    assert replies_awaited(one_ok) == 1
+    resumed = _replied(one_ok, 1, "ok")
+    assert resumed.status == "resumed" and resumed.outstanding
+    assert replies_awaited(resumed) == 0

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from waystation.events import (
+    CancelledCall,
     PendingCall,
     ResultRecorded,
     SubtaskClaimed,
@@ -195,6 +196,59 @@ def test_a_resume_in_place_links_reply_resume_run_and_completion(memory: Any) ->
     assert run.parent.span_id == resume.context.span_id
     assert done.parent.span_id == run.context.span_id
     assert done.context.span_id == int(span_hex("trace-1", end_key("task-1")), 16)
+
+
+def test_a_pause_s_timer_and_signal_are_waits_not_calls_and_a_first_k_resume_counts_its_give_ups(
+    memory: Any,
+) -> None:
+    """Only a peer call is a ``call`` span: a timer or a signal waits for no agent (its span is
+    no ``call `` with an empty peer), and a timer fires with no sender to hang from."""
+    waits = (
+        PendingCall(subtask_id="task-1:1:0", agent="peer", input=None, deadline_at=9e9),
+        PendingCall(subtask_id="task-1:1:1", agent="", input=None, deadline_at=9e9, kind="timer"),
+        PendingCall(
+            subtask_id="task-1:1:2",
+            agent="",
+            input=None,
+            deadline_at=9e9,
+            kind="signal",
+            name="approve",
+        ),
+    )
+    paused = TaskPaused(pause=1, state_delta={}, calls=waits, until=1)
+    tracing.recorded(_state(), [paused])
+    tracing.recorded(
+        _state(status="paused", pause=1, calls=waits, until=1),
+        [
+            SubtaskClaimed(subtask_id="task-1:1:1", pause=1),
+            ResultRecorded(subtask_id="task-1:1:1", pause=1, outcome="ok"),
+            TaskResumed(
+                pause=1,
+                abandoned=(
+                    CancelledCall(subtask_id="task-1:1:0", agent="peer"),
+                    CancelledCall(subtask_id="task-1:1:2", agent=""),
+                ),
+            ),
+        ],
+    )
+    spans = _spans(memory)
+    assert set(spans) == {
+        "pause boss",
+        "call peer",
+        "wait timer",
+        "wait signal approve",
+        "timer fired",
+        "resume boss",
+    }
+    pause = spans["pause boss"].attributes
+    assert (pause["waystation.calls"], pause["waystation.waits"]) == (1, 3)
+    assert pause["waystation.first_k"] == 1
+    assert spans["wait signal approve"].attributes["waystation.signal"] == "approve"
+    assert "waystation.peer" not in spans["wait timer"].attributes
+    timer, fired = spans["wait timer"], spans["timer fired"]
+    assert timer.context.span_id == int(span_hex("trace-1", call_key("task-1:1:1")), 16)
+    assert fired.parent.span_id == timer.context.span_id
+    assert spans["resume boss"].attributes["waystation.abandoned"] == 2
 
 
 def test_a_handler_that_raises_marks_its_run_failed(memory: Any) -> None:

@@ -220,9 +220,9 @@ class Recorder:
         as without it.
 
         ``gather`` (with ``combine``): how many decisions of this kind the stream awaits, as
-        this worker's copy of it says (a pause's outstanding calls). When the stream is free
-        and its copy awaits more than have arrived, the decisions wait for the others, at most
-        ``gather_seconds``, and are then recorded together: the replies to one pause, which
+        this worker's copy of it says (the replies a pause still waits for). When the stream is
+        free and its copy awaits more than have arrived, the decisions wait for the others, at
+        most ``gather_seconds``, and are then recorded together: the replies to one pause, which
         arrive a few milliseconds apart, make one append instead of one each. The last one
         never waits (it completes the count); nothing waits while the worker stops."""
         if not combine or describe_new is not None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from waystation.events import (
     DomainEvent,
+    PendingCall,
     ResultRecorded,
     TaskCancelled,
     TaskCompleted,
@@ -171,38 +172,36 @@ def _recorded(impl: Tracing, state: TaskState, events: Sequence[DomainEvent], no
     after_run = ran.ended_ns if run_parent is not None and ran is not None else started
     last_reply: str | None = None
     attributes = {"waystation.task_id": task_id, "waystation.agent": agent}
+    waits = {wait.subtask_id: wait for wait in state.calls}
     for event in events:
         if isinstance(event, TaskPaused):
+            waits.update((wait.subtask_id, wait) for wait in event.calls)
             pause = impl.step(
                 f"pause {agent}",
                 trace_id,
                 run_parent,
                 pause_key(task_id, event.pause),
                 after_run,
-                {
-                    **attributes,
-                    "waystation.pause": event.pause,
-                    "waystation.calls": len(event.calls),
-                },
+                {**attributes, **_pause_attributes(event)},
             )
-            for call in event.calls:
+            for wait in event.calls:
+                name, wait_attributes = _wait_span(wait)
                 impl.step(
-                    f"call {call.agent}",
+                    name,
                     trace_id,
                     (trace_x, pause),
-                    call_key(call.subtask_id),
+                    call_key(wait.subtask_id),
                     after_run,
-                    {
-                        **attributes,
-                        "waystation.subtask_id": call.subtask_id,
-                        "waystation.peer": call.agent,
-                    },
+                    {**attributes, "waystation.subtask_id": wait.subtask_id, **wait_attributes},
                 )
         elif isinstance(event, ResultRecorded):
             called = span_hex(trace_id, call_key(event.subtask_id))
-            parent = delivered if event.outcome != "timeout" else None
+            wait = waits.get(event.subtask_id)
+            kind = wait.kind if wait is not None else "call"
+            # a reply or a signal names its sender's span; a deadline or a timer has no sender
+            parent = delivered if event.outcome != "timeout" and kind != "timer" else None
             last_reply = impl.step(
-                f"reply {event.outcome}",
+                _result_span(kind, event.outcome),
                 trace_id,
                 parent if parent is not None and parent[0] == trace_x else (trace_x, called),
                 reply_key(event.subtask_id),
@@ -223,7 +222,11 @@ def _recorded(impl: Tracing, state: TaskState, events: Sequence[DomainEvent], no
                 (trace_x, last_reply or paused),
                 resume_key(task_id, event.pause),
                 started,
-                {**attributes, "waystation.pause": event.pause},
+                {
+                    **attributes,
+                    "waystation.pause": event.pause,
+                    **({"waystation.abandoned": len(event.abandoned)} if event.abandoned else {}),
+                },
                 links=[paused],
             )
         elif isinstance(event, (TaskCompleted, TaskFailed, TaskCancelled)):
@@ -239,3 +242,35 @@ def _recorded(impl: Tracing, state: TaskState, events: Sequence[DomainEvent], no
                 attributes,
                 error=not isinstance(event, TaskCompleted),
             )
+
+
+def _pause_attributes(event: TaskPaused) -> dict[str, Any]:
+    """A pause's span attributes: its number, its peer calls and, when it has others or a
+    ``FirstK``, its waits and how many of them resume it."""
+    calls = sum(1 for wait in event.calls if wait.kind == "call")
+    found: dict[str, Any] = {"waystation.pause": event.pause, "waystation.calls": calls}
+    if calls != len(event.calls):
+        found["waystation.waits"] = len(event.calls)
+    if event.until is not None:
+        found["waystation.first_k"] = event.until
+    return found
+
+
+def _wait_span(wait: PendingCall) -> tuple[str, dict[str, Any]]:
+    """The name and attributes of a wait's span: a peer call is ``call <peer>``; a timer or a
+    signal waits for no peer, and says what it waits for instead."""
+    if wait.kind == "call":
+        return f"call {wait.agent}", {"waystation.peer": wait.agent}
+    if wait.kind == "timer":
+        return "wait timer", {"waystation.wait": "timer"}
+    return f"wait signal {wait.name}", {"waystation.wait": "signal", "waystation.signal": wait.name}
+
+
+def _result_span(kind: str, outcome: str) -> str:
+    """The name of the span of a wait's result: ``reply <outcome>`` for a call's,
+    ``timer fired`` when a timer is due, ``signal <ok|timeout>`` for a signal's."""
+    if kind == "timer":
+        return "timer fired"
+    if kind == "signal":
+        return f"signal {outcome}"
+    return f"reply {outcome}"

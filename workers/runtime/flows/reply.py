@@ -8,7 +8,10 @@ and acked without appending anything.
 Replies to one task that wait for its stream's lock on one worker (they arrive together, and
 reply routing brings them to one worker) are recorded in one append
 (``Recorder.append_decision``, ``combine``); the first ones wait up to
-``WAYSTATION_REPLY_GATHER_MS`` for the rest of the pause's outstanding calls (``gather``).
+``WAYSTATION_REPLY_GATHER_MS`` for the rest of the replies the pause still waits for
+(``gather``, :func:`replies_awaited`): its open peer calls, since a signal or a timer never gets
+a reply message, and under ``FirstK(k)`` no more than the successes it still lacks, since the
+pause resumes on the k-th and gives up the rest.
 
 The worker that records the last reply runs the resumed handler at once, in place, and appends
 its outcome in the same statement (:mod:`.in_place`, the decision's run step): no resume message,
@@ -40,7 +43,7 @@ from waystation.runtime.flows.in_place import run_in_place
 from waystation.runtime.recorder import Applied, Cause
 from waystation.runtime.verdicts import Verdict, ack, dead
 
-__all__ = ["handle_reply", "handle_unstorable_reply", "subtask_of"]
+__all__ = ["handle_reply", "handle_unstorable_reply", "replies_awaited", "subtask_of"]
 
 log = logging.getLogger(__name__)
 
@@ -133,9 +136,27 @@ async def _record(
         step="reply",
         run_resumed=functools.partial(run_in_place, steps),
         combine=True,
-        gather=lambda state: len(state.outstanding),
+        gather=replies_awaited,
     )
     if applied.events and isinstance(applied.events[0], ReplyIgnored):
         log.info("reply for %s not applied: %s", subtask, applied.events[0].reason)
         steps.observer.count("replies_ignored")
     return applied
+
+
+def replies_awaited(state: TaskState) -> int:
+    """How many replies ``state``'s pause may still take before it resumes: its open peer calls
+    (a signal's or a timer's wait never gets a reply message), and under ``FirstK(k)`` at most
+    the successes it still lacks. 0 once it is no longer paused: a reply to a wait a ``FirstK``
+    pause gave up is late, and nothing comes with it."""
+    if state.status != "paused":
+        return 0
+    open_calls = sum(1 for wait in state.outstanding if wait.kind == "call")
+    if state.until is None:
+        return open_calls
+    succeeded = sum(
+        1
+        for wait in state.calls
+        if (result := state.results.get(wait.subtask_id)) is not None and result.ok
+    )
+    return max(0, min(open_calls, state.until - succeeded))
