@@ -692,7 +692,7 @@ def _pause(
         pause=number,
         state_delta=delta,
         calls=tuple(calls),
-        until=until.k if until is not None and until.k < len(calls) else None,
+        until=until.k if until is not None else None,
         agent_version=agent_version,
     )
 
