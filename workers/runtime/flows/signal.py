@@ -27,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 from waystation.agent import AgentSpec
 from waystation.brokers.port import Delivery
 from waystation.events import SignalReceived, SignalRefused, TaskState, decide_signal
-from waystation.events.task import MAX_SIGNAL_NAME
+from waystation.events.task import MAX_KEPT_SIGNALS, MAX_SIGNAL_NAME
 from waystation.protocol.wire import ResultEnvelope, derived_id, result_message
 from waystation.runtime.flows.base import Steps, invalid_fields
 from waystation.runtime.flows.cancel import MAX_TASK_ID
@@ -155,17 +155,32 @@ def _answer(
     if received is None:
         if signal_id in state.signals:
             return _Answer("duplicate")
-        # refused, but the stream holds as many refusals as it may: not recorded
-        return _Answer("refused", invalid or f"task {state.task_id!r} is {state.status}")
+        # refused, but not recorded: the stream holds as many refusals as it may
+        return _refusal(state, _reason(state, invalid), invalid, recorded=False)
     if isinstance(received, SignalRefused):
-        messages = {
-            "finished": f"task {state.task_id!r} has {state.status}; nothing waits for it",
-            "invalid": invalid,
-            "too-many": f"task {state.task_id!r} keeps as many signals no wait took as it may",
-        }
-        return _Answer(
-            "invalid" if received.reason == "invalid" else "undeliverable",
-            messages[received.reason],
-        )
+        return _refusal(state, received.reason, invalid)
     taken = len(events) > 1
     return _Answer("taken" if taken else "kept", None if taken else f"no wait on {name!r} yet")
+
+
+def _reason(state: TaskState, invalid: str | None) -> str:
+    """Why ``decide_signal`` refused a signal it did not record (as it tells them apart)."""
+    if state.finished:
+        return "finished"
+    return "invalid" if invalid is not None else "too-many"
+
+
+def _refusal(
+    state: TaskState, reason: str, invalid: str | None, *, recorded: bool = True
+) -> _Answer:
+    """A refused signal's answer: ``invalid`` (the wait goes on) or ``undeliverable``."""
+    messages = {
+        "finished": f"task {state.task_id!r} has {state.status}; nothing waits for it",
+        "invalid": f"{invalid}; the wait goes on",
+        "too-many": f"task {state.task_id!r} keeps {MAX_KEPT_SIGNALS} signals no wait took, "
+        "as many as it may",
+    }
+    message = messages[reason]
+    if not recorded:
+        message += " (not recorded: the task's log holds as many refusals as it may)"
+    return _Answer("invalid" if reason == "invalid" else "undeliverable", message)
