@@ -269,6 +269,34 @@ async def test_a_refusal_the_log_no_longer_records_is_answered_as_one_it_does(
     assert len(of_type(events, "SignalReceived")) == 1
 
 
+async def test_an_id_refused_once_is_refused_again_even_with_a_corrected_payload(
+    settings: Settings, store: PostgresEventStore
+) -> None:
+    """A decision is recorded once per signal id: a refused signal sent again is told why, as
+    the first time, and a corrected payload under the same id is told to take a new one."""
+    async with serving(settings, store) as client:
+        task_id = await paused_task(client, store)
+        wrong = {"approved": "maybe"}
+        for _ in range(2):
+            with pytest.raises(SignalNotApplied) as refused:
+                await client.signal(task_id, "approval", wrong, agent="approver", signal_id="r")
+            assert refused.value.status == "invalid", refused.value
+            assert "approved" in refused.value.message
+        assert "refused before" in refused.value.message
+        with pytest.raises(SignalNotApplied) as reused:
+            await client.signal(
+                task_id, "approval", {"approved": True}, agent="approver", signal_id="r"
+            )
+        assert reused.value.status == "undeliverable", reused.value
+        assert "new id" in reused.value.message
+        right = {"approved": True}
+        assert await client.signal(task_id, "approval", right, agent="approver") == "taken"
+        assert (await client.result(task_id, timeout=60)).ok
+    events = await store.read_stream(task_id)
+    assert [e.data["signal_id"] for e in of_type(events, "SignalRefused")] == ["r"]
+    assert len(of_type(events, "SignalReceived")) == 1
+
+
 RACES = 20
 
 
