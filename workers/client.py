@@ -118,6 +118,11 @@ def signal_outcome(task_id: str, name: str, answer: TaskResult) -> str:
     )
 
 
+def new_signal_id() -> str:
+    """A new signal's id; a sender that keeps it can send the signal again harmlessly."""
+    return f"signal:{uuid.uuid4()}"
+
+
 @dataclass(frozen=True, slots=True)
 class TaskLookup:
     """What the log records about a task, as a worker answered a query."""
@@ -271,10 +276,12 @@ class Client:
         headers: dict[str, FieldValue] | None = None,
         *,
         wait_ms: int = 0,
+        user_id: str | None = None,
     ) -> None:
         """Publish a persistent, mandatory ``kind`` message to ``agent``'s queue (through the
         wait queue of ``wait_ms``, if not 0), its answer due on this client's reply queue under
-        ``message_id``; returns once the broker confirmed."""
+        ``message_id``; returns once the broker confirmed. ``user_id``: the AMQP user it names
+        (the broker refuses any but the connection's)."""
         if self._channel is None or self._reply_queue is None:
             raise RuntimeError("the client is not connected")
         exchange = (
@@ -289,6 +296,7 @@ class Client:
                 type=kind,
                 content_type=CONTENT_TYPE,
                 headers=headers,
+                user_id=user_id,
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             ),
             routing_key=self.names.tasks(agent),
@@ -347,14 +355,20 @@ class Client:
         is harmless, so a sender that does not know whether its signal arrived sends it again.
         The sender recorded is this connection's user. ``timeout``: how long to wait for the
         worker's answer (``TimeoutError``)."""
-        signal_id = signal_id or f"signal:{uuid.uuid4()}"
+        signal_id = signal_id or new_signal_id()
         body = {"task_id": task_id, "name": name, "payload": payload}
-        await self._publish(agent, TYPE_SIGNAL, signal_id, dumps(body))
+        await self._publish(agent, TYPE_SIGNAL, signal_id, dumps(body), user_id=self._user())
         try:
             answer = await self._wait(signal_id, timeout)
         finally:
             self._results.pop(signal_id, None)
         return signal_outcome(task_id, name, answer)
+
+    def _user(self) -> str:
+        """The AMQP user this client connected as (aiormq logs in as ``guest`` when the URL
+        names none): the sender a signal names, which RabbitMQ checks."""
+        assert self._connection is not None, "the client is not connected"
+        return self._connection.url.user or "guest"
 
     async def lookup(self, agent: str, task_id: str, *, timeout: float | None = 30.0) -> TaskLookup:
         """Ask what the log records about ``task_id``: a ``query`` message to ``agent``'s queue

@@ -43,6 +43,7 @@ COMMANDS = [
     ("worker",),
     ("submit",),
     ("cancel",),
+    ("signal",),
     ("dead-letters", "list"),
     ("dead-letters", "replay"),
     ("verify",),

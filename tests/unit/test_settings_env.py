@@ -179,7 +179,7 @@ def test_every_exit_code_is_in_the_help_and_the_troubleshooting_guide() -> None:
     guide = (ROOT / "docs" / "troubleshooting.md").read_text()
     for exit_code, meaning in EXIT_CODES.items():
         assert f"{exit_code}  {meaning}" in shown
-        assert f"| {exit_code} |" in guide, f"exit code {exit_code} is not in the guide"
+        assert f"| {exit_code} | {meaning} |" in guide, f"exit code {exit_code} in the guide"
 
 
 def _raised(

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 __all__ = ["signal"]
 
 EXIT_NOT_APPLIED = 1
+EXIT_UNKNOWN_TASK = 2
+EXIT_NO_ANSWER = 3
 
 
 @click.command()
@@ -41,15 +43,22 @@ def signal(
     signal_id: str | None,
     timeout: float,
 ) -> None:
-    """Send the signal NAME with PAYLOAD_JSON to the paused task TASK_ID.
+    """Send the signal NAME with PAYLOAD_JSON (default null) to the paused task TASK_ID.
 
     A wait of the task on NAME takes it, and the task resumes once its pause has what it waits
     for; with no such wait yet, the task keeps it for the next one. Prints what became of it as
-    JSON: "taken", "kept" or "duplicate".
+    JSON with the signal's id: "taken", "kept" or "duplicate" (sent before, with this
+    --signal-id). For example:
 
-    Exit codes: 0 taken, kept or a duplicate; 1 not applied (the task has finished, is not in
-    the log, or the payload does not fit the agent's model of the signal: the message says
-    which field); 2 bad arguments; 3 no answer in --timeout; 7 no queue for its agent.
+    \b
+        waystation signal 3f2a9c1e approval '{"approved": true}'
+
+    Exit codes: 0 taken, kept or a duplicate; 1 not applied, and stderr says why: the task has
+    finished, the log has no record of it (with --agent), it is a task of another agent, or
+    the payload does not fit the agent's model of the signal (naming each field; the wait goes
+    on); 2 bad arguments, or TASK_ID is not in the event log (without --agent); 3 no answer in
+    --timeout (the signal may still be applied: send it again with the --signal-id printed);
+    7 no queue for the agent (no worker serving it has started).
     """
     try:
         payload = loads(payload_json)
@@ -68,8 +77,9 @@ async def _signal(
     signal_id: str | None,
     timeout: float,
 ) -> int:
-    from waystation.client import Client, SignalNotApplied
+    from waystation.client import Client, SignalNotApplied, new_signal_id
 
+    signal_id = signal_id or new_signal_id()
     if agent is None:
         agent = await agent_in_log(settings, task_id)
         if agent is None:
@@ -78,20 +88,29 @@ async def _signal(
                 "paused (name its agent with --agent to send it anyway)",
                 err=True,
             )
-            return 2
+            return EXIT_UNKNOWN_TASK
     async with Client(settings.amqp_url, queue_prefix=settings.queue_prefix) as client:
         try:
             status = await client.signal(
                 task_id, name, payload, agent=agent, signal_id=signal_id, timeout=timeout
             )
         except TimeoutError:
-            click.echo(f"no answer from agent {agent!r} within {timeout}s", err=True)
-            return 3
-        except SignalNotApplied as refused:
             click.echo(
-                dumps({"task_id": task_id, "signal": name, "status": refused.status}).decode()
+                f"no answer from agent {agent!r} within {timeout}s; the signal may still be "
+                f"applied: send it again with --signal-id {signal_id} to learn what became of "
+                "it (a signal is applied once)",
+                err=True,
             )
-            click.echo(f"not applied: {refused.message}", err=True)
+            return EXIT_NO_ANSWER
+        except SignalNotApplied as refused:
+            _print(task_id, name, signal_id, refused.status)
+            click.echo(f"not applied ({refused.status}): {refused.message}", err=True)
             return EXIT_NOT_APPLIED
-    click.echo(dumps({"task_id": task_id, "signal": name, "status": status}).decode())
+    _print(task_id, name, signal_id, status)
     return 0
+
+
+def _print(task_id: str, name: str, signal_id: str, status: str) -> None:
+    """What became of the signal, as one line of JSON on stdout."""
+    answer = {"task_id": task_id, "signal": name, "signal_id": signal_id, "status": status}
+    click.echo(dumps(answer).decode())

@@ -27,12 +27,12 @@ from pydantic import BaseModel, ValidationError
 from waystation.agent import AgentSpec
 from waystation.brokers.port import Delivery
 from waystation.events import SignalReceived, SignalRefused, TaskState, decide_signal
-from waystation.events.task import MAX_SIGNAL_NAME
+from waystation.events.task import MAX_KEPT_SIGNALS, MAX_SIGNAL_NAME
 from waystation.protocol.wire import ResultEnvelope, derived_id, result_message
 from waystation.runtime.flows.base import Steps, invalid_fields
 from waystation.runtime.flows.cancel import MAX_TASK_ID
 from waystation.runtime.flows.in_place import run_in_place
-from waystation.runtime.recorder import Cause
+from waystation.runtime.recorder import Applied, Cause
 from waystation.runtime.verdicts import Verdict, ack, dead
 
 __all__ = ["SIGNAL_SHAPE", "handle_signal"]
@@ -51,12 +51,17 @@ async def handle_signal(steps: Steps, delivery: Delivery, spec: AgentSpec, body:
     assert signal_id is not None  # checked by _shape_problem
     invalid = _invalid(spec.signals.get(name), payload)
 
+    decided: list[Any] = []
+    """What the last decision gave: when the recorder appends none of it, the log holds a
+    decision under this signal's id already."""
+
     def decide(state: TaskState) -> list[Any]:
         if state.exists and state.agent != spec.name:
             return []
-        return decide_signal(
+        decided[:] = decide_signal(
             state, name, payload, signal_id=signal_id, sender=delivery.user_id, invalid=invalid
         )
+        return decided
 
     applied = await steps.recorder.append_decision(
         task_id,
@@ -66,7 +71,7 @@ async def handle_signal(steps: Steps, delivery: Delivery, spec: AgentSpec, body:
         step="signal",
         run_resumed=functools.partial(run_in_place, steps),
     )
-    answer = _answer(applied.state, applied.events, spec, name, signal_id, invalid)
+    answer = _answer(applied, decided, spec, name, signal_id, invalid)
     log.info("signal %r (%s) for %s: %s", name, signal_id, task_id, answer.status_line)
     steps.observer.count(f"signals_{answer.status}")
     if delivery.reply_to:
@@ -131,14 +136,16 @@ class _Answer:
 
 
 def _answer(
-    state: TaskState,
-    events: list[Any],
+    applied: Applied,
+    decided: list[Any],
     spec: AgentSpec,
     name: str,
     signal_id: str,
     invalid: str | None,
 ) -> _Answer:
-    """What became of the signal, as its sender is told."""
+    """What became of the signal, as its sender is told: ``applied`` is what the recorder
+    appended, ``decided`` what the last decision gave."""
+    state = applied.state
     if not state.exists:
         return _Answer(
             "undeliverable",
@@ -151,21 +158,48 @@ def _answer(
             f"task {state.task_id!r} is a task of agent {state.agent!r}; send its signals to "
             "that agent's queue",
         )
+    events = applied.events
     received = next((e for e in events if isinstance(e, (SignalReceived, SignalRefused))), None)
     if received is None:
         if signal_id in state.signals:
             return _Answer("duplicate")
-        # refused, but the stream holds as many refusals as it may: not recorded
-        return _Answer("refused", invalid or f"task {state.task_id!r} is {state.status}")
+        if not decided:  # refused, but the stream holds as many refusals as it may
+            return _refusal(state, _reason(state, invalid), invalid, NOT_RECORDED)
+        return _refused_before(state, decided, signal_id, invalid)
     if isinstance(received, SignalRefused):
-        messages = {
-            "finished": f"task {state.task_id!r} has {state.status}; nothing waits for it",
-            "invalid": invalid,
-            "too-many": f"task {state.task_id!r} keeps as many signals no wait took as it may",
-        }
-        return _Answer(
-            "invalid" if received.reason == "invalid" else "undeliverable",
-            messages[received.reason],
-        )
+        return _refusal(state, received.reason, invalid)
     taken = len(events) > 1
     return _Answer("taken" if taken else "kept", None if taken else f"no wait on {name!r} yet")
+
+
+NOT_RECORDED = " (not recorded: the task's log holds as many refusals as it may)"
+
+
+def _reason(state: TaskState, invalid: str | None) -> str:
+    """Why ``decide_signal`` refused a signal it did not record (as it tells them apart)."""
+    if state.finished:
+        return "finished"
+    return "invalid" if invalid is not None else "too-many"
+
+
+def _refused_before(
+    state: TaskState, decided: list[Any], signal_id: str, invalid: str | None
+) -> _Answer:
+    """A signal sent again under an id whose refusal the log holds: a decision is recorded
+    once per id, so nothing new is (a corrected payload needs an id of its own)."""
+    before = f"a signal with id {signal_id!r} was refused before, and an id is applied once"
+    refusal = next((e for e in decided if isinstance(e, SignalRefused)), None)
+    if refusal is None:  # it would be taken or kept now
+        return _Answer("undeliverable", f"{before}: send it again under a new id")
+    return _refusal(state, refusal.reason, invalid, f" ({before})")
+
+
+def _refusal(state: TaskState, reason: str, invalid: str | None, note: str = "") -> _Answer:
+    """A refused signal's answer: ``invalid`` (the wait goes on) or ``undeliverable``."""
+    messages = {
+        "finished": f"task {state.task_id!r} has {state.status}; nothing waits for it",
+        "invalid": f"{invalid}; the wait goes on",
+        "too-many": f"task {state.task_id!r} keeps {MAX_KEPT_SIGNALS} signals no wait took, "
+        "as many as it may",
+    }
+    return _Answer("invalid" if reason == "invalid" else "undeliverable", messages[reason] + note)
