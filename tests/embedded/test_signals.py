@@ -74,13 +74,14 @@ async def test_a_signal_resumes_the_task_once_with_its_payload_and_sender() -> N
     async with InMemoryPool(drafting_app()) as pool:
         task_id = await pool.submit("drafter", {})
         await paused(pool, task_id)
+        # 1 fits the bool field; the model's JSON form is recorded, as the handler reads it
         status = await pool.signal(
-            task_id, "approval", {"approved": True}, agent="drafter", signal_id="s-1", sender="ann"
+            task_id, "approval", {"approved": 1}, agent="drafter", signal_id="s-1", sender="ann"
         )
         assert status == "taken"
         result = await pool.result(task_id)
         assert result.result == {
-            "answer": {"approved": True},
+            "answer": {"approved": True, "note": ""},
             "by": "ann",
             "kind": "signal",
         }
@@ -92,7 +93,7 @@ async def test_a_signal_resumes_the_task_once_with_its_payload_and_sender() -> N
         events = await events_of(pool, task_id)
     received = [e for e in events if isinstance(e, SignalReceived)]
     assert [(e.signal_id, e.sender, e.payload) for e in received] == [
-        ("s-1", "ann", {"approved": True})
+        ("s-1", "ann", {"approved": True, "note": ""})
     ]
     claims = [e for e in events if isinstance(e, SubtaskClaimed)]
     assert [c.message_id for c in claims] == ["s-1"]
@@ -118,7 +119,7 @@ async def test_a_payload_that_does_not_fit_is_refused_naming_the_field_and_the_w
             "taken"
         )
         result = await pool.result(task_id)
-        assert result.result["answer"] == {"approved": False}
+        assert result.result["answer"] == {"approved": False, "note": ""}
         events = await events_of(pool, task_id)
     refusals = [e for e in events if isinstance(e, SignalRefused)]
     assert [r.reason for r in refusals] == ["invalid"]

@@ -173,7 +173,8 @@ async def test_waystation_signal_says_what_became_of_a_signal_with_its_exit_code
             "status": "taken",
         }
         assert (await client.result(approved_id, timeout=60)).result["approval"] == {
-            "approved": True
+            "approved": True,
+            "note": "",
         }
         again = await asyncio.to_thread(
             signal, approved_id, "approval", '{"approved": false}', "--signal-id", "cli-1"
@@ -347,7 +348,7 @@ async def test_a_cancel_racing_a_signal_settles_each_task_one_way(
             assert types.index("SignalReceived") < types.index(terminal[0]), types
             if terminal == ["TaskCompleted"]:
                 assert cancelled == "completed", (task_id, cancelled)
-                assert client.results[task_id].result["approval"] == {"approved": True}
+                assert client.results[task_id].result["approval"] == {"approved": True, "note": ""}
                 outcomes["signal won"] += 1
             else:
                 assert terminal == ["TaskCancelled"] and cancelled == "cancelled", types
@@ -413,7 +414,7 @@ async def test_a_plain_amqp_signal_is_taken_with_or_without_reply_to_but_never_w
         for task_id in (answered_id, silent_id):
             result = await client.result(task_id, timeout=60)
             assert result.result == {
-                "approval": {"approved": True},
+                "approval": {"approved": True, "note": ""},
                 "by": SENDER,
                 "outcome": "ok",
             }
@@ -430,13 +431,13 @@ async def test_a_plain_amqp_signal_is_taken_with_or_without_reply_to_but_never_w
         )
         [dead] = await dead_letters(amqp_channel, names, 1)
         headers = dead.headers or {}
-        assert headers.get("x-waystation-reason") == "wrong-shape"
+        assert headers.get("x-waystation-reason") == "missing-property"
         assert "message_id" in str(headers.get("x-waystation-detail"))
         assert dead.body == body(waiting_id)
         [told] = await take(answers, 1, within=30)
         assert told.correlation_id == "ask-3"
         told_body = loads(told.body)
-        assert (told_body["status"], told_body["error"]["type"]) == ("error", "wrong-shape")
+        assert (told_body["status"], told_body["error"]["type"]) == ("error", "missing-property")
         state = fold(waiting_id, await store.read_stream(waiting_id))
         assert state.status == "paused" and not state.signals
     for task_id, signal_id in ((answered_id, "plain-1"), (silent_id, "plain-2")):
@@ -496,7 +497,11 @@ async def test_the_node_sender_of_the_wire_format_signals_a_paused_task(
             "result": {"task_id": task_id, "signal_id": "from-node", "status": "taken"},
         }
         result = await client.result(task_id, timeout=60)
-        assert result.result == {"approval": {"approved": True}, "by": SENDER, "outcome": "ok"}
+        assert result.result == {
+            "approval": {"approved": True, "note": ""},
+            "by": SENDER,
+            "outcome": "ok",
+        }
 
         again = await asyncio.to_thread(run_node, node, script, settings, *approve)
         assert again.returncode == 0, again.stderr

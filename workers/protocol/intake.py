@@ -13,8 +13,8 @@ reason. Reasons (the ``x-waystation-reason`` header of the dead letter):
                             of this kind fails its call at once (an ``unstorable-reply`` error)
 ``invalid-property``        a property or trace header the log cannot store (a NUL character)
 ``wrong-shape``             JSON, but not what this message type carries
-``missing-property``        a required AMQP property is absent (``message_id`` on a task,
-                            ``correlation_id`` on a reply)
+``missing-property``        a required AMQP property is absent (``message_id`` on a task or a
+                            signal, ``correlation_id`` on a reply)
 ``unknown-message-type``    a ``type`` this queue does not take
 ``malformed-correlation-id``  a reply whose correlation id names no sub-task
 ``unknown-task``            a reply or progress report for a task the log does not know

@@ -43,13 +43,18 @@ SIGNAL_SHAPE = 'a signal body is {"task_id": str, "name": str, "payload": any JS
 
 
 async def handle_signal(steps: Steps, delivery: Delivery, spec: AgentSpec, body: Any) -> Verdict:
-    problem = _shape_problem(delivery, body)
+    signal_id = delivery.message_id
+    if not signal_id:
+        return dead(
+            "missing-property",
+            "a signal needs a message_id: its id, which makes sending it twice harmless",
+            tell_publisher=True,
+        )
+    problem = _shape_problem(body)
     if problem is not None:
         return dead("wrong-shape", problem, tell_publisher=True)
-    task_id, name, payload = body["task_id"], body["name"], body.get("payload")
-    signal_id = delivery.message_id
-    assert signal_id is not None  # checked by _shape_problem
-    invalid = _invalid(spec.signals.get(name), payload)
+    task_id, name = body["task_id"], body["name"]
+    payload, invalid = _checked(spec.signals.get(name), body.get("payload"))
 
     decided: list[Any] = []
     """What the last decision gave: when the recorder appends none of it, the log holds a
@@ -86,9 +91,7 @@ async def handle_signal(steps: Steps, delivery: Delivery, spec: AgentSpec, body:
     return ack(applied.checkpoint_started)
 
 
-def _shape_problem(delivery: Delivery, body: Any) -> str | None:
-    if not delivery.message_id:
-        return "a signal needs a message_id: its id, which makes sending it twice harmless"
+def _shape_problem(body: Any) -> str | None:
     if not isinstance(body, dict) or not isinstance(body.get("task_id"), str):
         return SIGNAL_SHAPE
     if not body["task_id"] or len(body["task_id"]) > MAX_TASK_ID:
@@ -101,15 +104,16 @@ def _shape_problem(delivery: Delivery, body: Any) -> str | None:
     return None
 
 
-def _invalid(model: type[BaseModel] | None, payload: Any) -> str | None:
-    """Why ``payload`` does not fit the agent's model of the signal, or None."""
+def _checked(model: type[BaseModel] | None, payload: Any) -> tuple[Any, str | None]:
+    """The payload to record and why it does not fit the agent's model of the signal (None
+    when it does): a payload that fits is recorded in the model's JSON form (``1`` given for a
+    ``bool`` field is recorded as ``true``), as the resumed handler reads it."""
     if model is None:
-        return None
+        return payload, None
     try:
-        model.model_validate(payload)
+        return model.model_validate(payload).model_dump(mode="json"), None
     except ValidationError as error:
-        return f"the payload is not a valid {model.__name__}: {invalid_fields(error)}"
-    return None
+        return payload, f"the payload is not a valid {model.__name__}: {invalid_fields(error)}"
 
 
 class _Answer:
