@@ -40,9 +40,12 @@ __all__ = ["export", "history", "state", "verify"]
 def verify(task_id: str | None, export_file: Path | None, as_json: bool) -> None:
     """Verify the hash chains and invariants of TASK_ID's stream, or of the whole log.
 
-    Checks contiguous versions, the hash chain, at most one claim per sub-task and one resume per
-    pause, no resume before every result of its pause, no result without its claim, and no event
-    after a terminal one (audit-only events aside). With --file the same checks run on an export,
+    Checks contiguous versions, the hash chain, at most one claim per wait (peer call, signal or
+    timer) and one resume per pause, no resume before its pause's rule is met (every wait has a
+    result, or FirstK's k successes or k out of reach) and its abandoned waits exactly those still
+    open, no claim of a wait given up, each signal recorded once and taken by one wait of its
+    name at most, timers firing ok, no result without its claim, and no event after a terminal
+    one (audit-only events aside). With --file the same checks run on an export,
     without the database; a redacted event's content hash cannot be checked (it covers the
     secret), only its links and invariants, and the report counts such events. A stream that the
     file starts past version 1 gets a partial-stream note and is checked from there. Exit codes:
