@@ -1,7 +1,8 @@
-"""``waystation verify`` on waits of every kind (issue 31): each invariant of signals, timers and
-``FirstK`` pauses broken on purpose in a stream with a correct hash chain shows as exactly that
-problem; and the streams the task's own decide functions write, with every kind of wait, verify
-clean.
+"""``waystation verify`` and ``history`` on waits of every kind (issue 31): each invariant of
+signals, timers and ``FirstK`` pauses broken on purpose in a stream with a correct hash chain shows
+as exactly that problem, and the streams the task's own decide functions write, with every kind
+of wait, verify clean; the timeline and the past state say what each pause waited for, who sent
+each signal and what a resume gave up.
 
 A stream here is a boss that pauses on a peer call, a signal named ``approval`` and a timer,
 resuming on the first of them (``FirstK(1)``) or on all three.
@@ -21,9 +22,10 @@ from waystation.events import (
     TaskStarted,
 )
 from waystation.events.memory import InMemoryEventStore
-from waystation.events.model import SignalReceived
+from waystation.events.model import SignalReceived, SignalRefused
 from waystation.events.simulation import simulate
 from waystation.projections.audit import verify_stream
+from waystation.projections.history import pauses, state_as_of, timeline
 
 from .test_audit import TASK, build, kinds
 
@@ -223,3 +225,82 @@ def test_a_signal_wait_whose_outcome_is_not_its_signal_or_its_timeout_is_found()
         (5, "wrong-outcome"),
         (6, "early-resume"),
     ]
+
+
+# ---- history: the timeline and the state of waits -----------------------------------------------
+
+
+def kept_then_taken() -> list[DomainEvent]:
+    """A signal comes before its wait (kept), the next pause's wait takes it at once; a refused
+    one follows the end."""
+    second = pause(until=1).model_copy(update={"pause": 2})
+    second = second.model_copy(
+        update={
+            "calls": tuple(
+                c.model_copy(update={"subtask_id": c.subtask_id.replace(":1:", ":2:")})
+                for c in second.calls
+            )
+        }
+    )
+    return [
+        *first_by_signal()[:-1],
+        signal("s2"),
+        second,
+        SubtaskClaimed(subtask_id=f"{TASK}:2:1", pause=2, message_id="s2"),
+        ResultRecorded(subtask_id=f"{TASK}:2:1", pause=2, outcome="ok", value={"ok": True}),
+        TaskResumed(
+            pause=2,
+            abandoned=(
+                CancelledCall(subtask_id=f"{TASK}:2:0", agent="researcher"),
+                CancelledCall(subtask_id=f"{TASK}:2:2", agent=""),
+            ),
+        ),
+        TaskCompleted(result=None),
+        SignalRefused(
+            signal_id="s3", name="approval", reason="finished", detail=None, sender="bob"
+        ),
+    ]
+
+
+def test_the_timeline_shows_waits_signals_with_their_senders_and_what_a_resume_gave_up() -> None:
+    stream = build(kept_then_taken())
+    assert verify_stream(stream) == []
+    entries = timeline(stream)
+    summaries = [e.summary for e in entries]
+    assert summaries[1] == (
+        "paused #1 calling researcher, waiting for signal approval (up to its deadline), "
+        "a timer, resuming on the first 1 of 3, agent version v2"
+    )
+    assert summaries[2] == f'signal approval (s1) from alice {{"ok":true}}: taken by {SIGNAL}'
+    assert summaries[3] == f"claimed {SIGNAL} with signal s1"
+    assert summaries[5] == f"resumed from pause #1 after 0.040 s, giving up {CALL}, {TIMER}"
+    assert summaries[6] == (
+        f'signal approval (s2) from alice {{"ok":true}}: kept, then taken by {TASK}:2:1 at v9'
+    )
+    assert summaries[-1] == "refused signal approval (s3) from bob: finished"
+    assert [e.sender for e in entries if e.sender] == ["alice", "alice", "bob"]
+    assert [span.agent_version for span in pauses(stream)] == ["v2", "v2"]
+
+    fired = timeline(build(all_three()))
+    assert fired[2].summary == f"claimed {TIMER} (its timer fired)"
+    assert fired[6].summary == f"claimed {SIGNAL} (no signal: its wait timed out)"
+
+
+def test_the_state_as_of_a_point_shows_open_waits_by_kind_and_kept_signals() -> None:
+    events = kept_then_taken()
+    stream = build(events)
+    before_second_pause = state_as_of(TASK, stream, position=7).to_json()
+    assert before_second_pause["abandoned"] == [CALL, TIMER]
+    assert before_second_pause["kept_signals"] == [
+        {"signal_id": "s2", "name": "approval", "sender": "alice"}
+    ]
+    [taken] = before_second_pause["results"]
+    assert (taken["kind"], taken["name"], taken["sender"]) == ("signal", "approval", "alice")
+
+    waiting = state_as_of(TASK, build(all_three()[:2]), position=2).to_json()
+    assert [(w["kind"], w["agent"], w["name"]) for w in waiting["outstanding"]] == [
+        ("call", "researcher", None),
+        ("signal", "", "approval"),
+        ("timer", "", None),
+    ]
+    assert (waiting["first_k"], waiting["agent_version"]) == (None, "v2")

@@ -9,6 +9,7 @@ printed.
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -129,6 +130,10 @@ def _print_problems(problems: list[Problem]) -> None:
 def history(task_id: str, as_json: bool) -> None:
     """Show TASK_ID's history: who did what, when, and how long each pause lasted.
 
+    Each pause says what it waits for (peer calls, signals, timers, the first K of them) and the
+    agent version that paused; each signal its sender and the wait that took it, or that it was
+    kept for a later one, or refused and why; a resume the waits it gave up.
+
     Exit codes: 0 shown, 2 TASK_ID is not in the log.
     """
     from waystation.projections.history import pauses, timeline
@@ -167,7 +172,8 @@ def history(task_id: str, as_json: bool) -> None:
     for span in spans:
         lasted = f"{span.seconds:.3f} s" if span.seconds is not None else "still waiting"
         resumed = f"v{span.resumed_version}" if span.resumed_version is not None else "-"
-        click.echo(f"pause #{span.pause}: v{span.paused_version} → {resumed}, {lasted}")
+        version = f", agent version {span.agent_version}" if span.agent_version else ""
+        click.echo(f"pause #{span.pause}: v{span.paused_version} → {resumed}, {lasted}{version}")
 
 
 def _iso_time(ctx: click.Context, param: click.Parameter, value: str | None) -> datetime | None:
@@ -312,8 +318,11 @@ async def _export(
 def state(task_id: str, at_position: int | None, at_time: datetime | None, as_json: bool) -> None:
     """Show TASK_ID's state as the log said it at a past position or time (default: now).
 
-    Folds the task's events up to that point: status, agent, pause, the agent's state, the calls
-    still outstanding, the results recorded, its result or error, and the last event included.
+    Folds the task's events up to that point: status, agent, pause (with the agent version that
+    paused and its FirstK, if any), the agent's state, the waits still outstanding by kind
+    (peer calls, signals, timers) with their deadlines, the results recorded (a signal's with
+    its sender), the waits a FirstK resume gave up, the signals kept for a later wait, its
+    result or error, and the last event included.
     A time is compared with recorded_at, the start of the transaction that wrote each event.
     Exit codes: 0 shown, 2 TASK_ID is not in the log or has no event at or before that point.
     """
@@ -351,16 +360,36 @@ def state(task_id: str, at_position: int | None, at_time: datetime | None, as_js
     click.echo(f"agent        {shown.agent or '-'}")
     click.echo(f"pause        #{shown.pause}" if shown.pause else "pause        none yet")
     click.echo(f"state        {dumps(dict(shown.state)).decode()}")
-    click.echo(f"outstanding  {len(shown.outstanding)} call(s)")
-    for call in shown.outstanding:
-        deadline = _utc(datetime.fromtimestamp(call.deadline_at, UTC))
-        click.echo(f"  {call.subtask_id}  {call.agent}  deadline {deadline}")
+    if shown.agent_version is not None:
+        click.echo(f"version      {shown.agent_version} (the agent's, on its latest pause)")
+    if shown.until is not None:
+        click.echo(f"resumes on   the first {shown.until} of {len(shown.calls)} wait(s)")
+    kinds = Counter(wait.kind for wait in shown.outstanding)
+    by_kind = ", ".join(f"{n} {kind}" + ("s" if n > 1 else "") for kind, n in kinds.items())
+    click.echo(
+        f"outstanding  {len(shown.outstanding)} wait(s)" + (f": {by_kind}" if by_kind else "")
+    )
+    for wait in shown.outstanding:
+        deadline = _utc(datetime.fromtimestamp(wait.deadline_at, UTC))
+        what = f"{wait.kind} {wait.agent or wait.name or ''}".rstrip()
+        when = "fires" if wait.kind == "timer" else "deadline"
+        click.echo(f"  {wait.subtask_id}  {what}  {when} {deadline}")
     click.echo(f"results      {len(shown.results)}")
     for result in shown.results.values():
         value = result.value if result.ok else result.error
+        what = f"{result.kind} {result.agent or result.name or ''}".rstrip()
+        sender = f"  from {result.sender}" if result.sender else ""
         click.echo(
-            f"  {result.subtask_id}  {result.agent}  {result.outcome}  {dumps(value).decode()}"
+            f"  {result.subtask_id}  {what}  {result.outcome}  {dumps(value).decode()}{sender}"
         )
+    if shown.abandoned:
+        click.echo(f"given up     {', '.join(sorted(shown.abandoned))}")
+    if shown.kept:
+        click.echo(f"kept         {len(shown.kept)} signal(s) no wait has taken yet")
+        for signal_id in shown.kept:
+            signal = shown.signals[signal_id]
+            sender = f"  from {signal.sender}" if signal.sender else ""
+            click.echo(f"  {signal_id}  signal {signal.name}{sender}")
     if shown.status == "completed":
         click.echo(f"result       {dumps(shown.result).decode()}")
     if shown.error is not None:
