@@ -168,7 +168,7 @@ def _waiting(paused: TaskPaused) -> str:
         if wait.kind == "signal":
             others.append(f"signal {wait.name} (up to{after or ' its deadline'})")
         elif wait.kind == "timer":
-            others.append(f"a timer{after}")
+            others.append(f"a timer of{after}" if after else "a timer")
     if others:
         parts.append("waiting for " + ", ".join(others))
     if paused.until is not None:
