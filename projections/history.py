@@ -12,7 +12,6 @@ time.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -40,6 +39,7 @@ from waystation.events.model import (
 from waystation.events.task import TaskState, fold
 
 from .audit import _parsed
+from .waits import describe_claim, describe_pause
 
 __all__ = ["PastState", "PauseSpan", "TimelineEntry", "pauses", "state_as_of", "timeline"]
 
@@ -140,58 +140,6 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _seconds(value: float) -> str:
-    return f"{value:.3f}".rstrip("0").rstrip(".") if value < 10 else f"{value:.0f}"
-
-
-def _agents(calls: Sequence[PendingCall]) -> str:
-    counts = Counter(call.agent for call in calls)
-    return ", ".join(f"{agent} ×{n}" if n > 1 else agent for agent, n in counts.items())
-
-
-def _waiting(paused: TaskPaused) -> str:
-    """What a pause waits for: ``calling researcher ×3 (deadline in 300 s)``, then its signals
-    and timers, its ``FirstK`` and the agent version that paused."""
-    calls = [c for c in paused.calls if c.kind == "call"]
-    parts = []
-    if calls:
-        timeouts = [c.deadline_at - c.dispatched_at for c in calls if c.dispatched_at is not None]
-        deadline = f" (deadline in {_seconds(max(timeouts))} s)" if timeouts else ""
-        parts.append(f"calling {_agents(calls)}{deadline}")
-    others = []
-    for wait in paused.calls:
-        after = (
-            f" {_seconds(wait.deadline_at - wait.dispatched_at)} s"
-            if wait.dispatched_at is not None
-            else ""
-        )
-        if wait.kind == "signal":
-            others.append(f"signal {wait.name} (up to{after or ' its deadline'})")
-        elif wait.kind == "timer":
-            others.append(f"a timer of{after}" if after else "a timer")
-    if others:
-        parts.append("waiting for " + ", ".join(others))
-    if paused.until is not None:
-        parts.append(f"resuming on the first {paused.until} of {len(paused.calls)}")
-    if paused.agent_version is not None:
-        parts.append(f"agent version {paused.agent_version}")
-    return ", ".join(parts)
-
-
-def _claimed(claim: SubtaskClaimed, wait: PendingCall | None) -> str:
-    kind = wait.kind if wait is not None else "call"
-    if claim.message_id is None:
-        how = {
-            "call": "no reply message: its deadline passed",
-            "signal": "no signal: its wait timed out",
-            "timer": "its timer fired",
-        }[kind]
-        return f"claimed {claim.subtask_id} ({how})"
-    if kind == "signal":
-        return f"claimed {claim.subtask_id} with signal {claim.message_id}"
-    return f"claimed {claim.subtask_id}"
-
-
 def _signal(received: SignalReceived, taken_by: tuple[str, int] | None, version: int) -> str:
     sender = f" from {received.sender}" if received.sender else ""
     what = f"signal {received.name} ({received.signal_id}){sender} {_short(received.payload, 40)}"
@@ -215,9 +163,9 @@ def _summary(
     if isinstance(parsed, TaskStarted):
         return f"started {parsed.agent} with input {_short(parsed.input)}"
     if isinstance(parsed, TaskPaused):
-        return f"paused #{parsed.pause} {_waiting(parsed)}"
+        return f"paused #{parsed.pause} {describe_pause(parsed)}"
     if isinstance(parsed, SubtaskClaimed):
-        return _claimed(parsed, waits.get(parsed.subtask_id))
+        return describe_claim(parsed, waits.get(parsed.subtask_id))
     if isinstance(parsed, ResultRecorded):
         return f"result {parsed.outcome} for {parsed.subtask_id}"
     if isinstance(parsed, TaskResumed):

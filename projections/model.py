@@ -30,6 +30,8 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
+from .waits import wait_label
+
 __all__ = [
     "UNKNOWN_AGENT",
     "AgentCounts",
@@ -63,8 +65,7 @@ class OpenWait:
     def label(self) -> str:
         """What the wait is for, in a word or two: ``call researcher``, ``signal approval``,
         ``timer``."""
-        what = self.agent if self.kind == "call" else self.name
-        return f"{self.kind} {what}" if what else self.kind
+        return wait_label(self.kind, self.agent, self.name)
 
     def to_json(self) -> dict[str, Any]:
         shown: dict[str, Any] = {

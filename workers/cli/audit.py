@@ -9,7 +9,6 @@ printed.
 from __future__ import annotations
 
 import sys
-from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -327,6 +326,7 @@ def state(task_id: str, at_position: int | None, at_time: datetime | None, as_js
     Exit codes: 0 shown, 2 TASK_ID is not in the log or has no event at or before that point.
     """
     from waystation.projections.history import state_as_of
+    from waystation.projections.waits import state_lines
 
     if at_position is not None and at_time is not None:
         raise click.UsageError("give --at-position or --at, not both")
@@ -360,36 +360,8 @@ def state(task_id: str, at_position: int | None, at_time: datetime | None, as_js
     click.echo(f"agent        {shown.agent or '-'}")
     click.echo(f"pause        #{shown.pause}" if shown.pause else "pause        none yet")
     click.echo(f"state        {dumps(dict(shown.state)).decode()}")
-    if shown.agent_version is not None:
-        click.echo(f"version      {shown.agent_version} (the agent's, on its latest pause)")
-    if shown.until is not None:
-        click.echo(f"resumes on   the first {shown.until} of {len(shown.calls)} wait(s)")
-    kinds = Counter(wait.kind for wait in shown.outstanding)
-    by_kind = ", ".join(f"{n} {kind}" + ("s" if n > 1 else "") for kind, n in kinds.items())
-    click.echo(
-        f"outstanding  {len(shown.outstanding)} wait(s)" + (f": {by_kind}" if by_kind else "")
-    )
-    for wait in shown.outstanding:
-        deadline = _utc(datetime.fromtimestamp(wait.deadline_at, UTC))
-        what = f"{wait.kind} {wait.agent or wait.name or ''}".rstrip()
-        when = "fires" if wait.kind == "timer" else "deadline"
-        click.echo(f"  {wait.subtask_id}  {what}  {when} {deadline}")
-    click.echo(f"results      {len(shown.results)}")
-    for result in shown.results.values():
-        value = result.value if result.ok else result.error
-        what = f"{result.kind} {result.agent or result.name or ''}".rstrip()
-        sender = f"  from {result.sender}" if result.sender else ""
-        click.echo(
-            f"  {result.subtask_id}  {what}  {result.outcome}  {dumps(value).decode()}{sender}"
-        )
-    if shown.abandoned:
-        click.echo(f"given up     {', '.join(sorted(shown.abandoned))}")
-    if shown.kept:
-        click.echo(f"kept         {len(shown.kept)} signal(s) no wait has taken yet")
-        for signal_id in shown.kept:
-            signal = shown.signals[signal_id]
-            sender = f"  from {signal.sender}" if signal.sender else ""
-            click.echo(f"  {signal_id}  signal {signal.name}{sender}")
+    for line in state_lines(shown):
+        click.echo(line)
     if shown.status == "completed":
         click.echo(f"result       {dumps(shown.result).decode()}")
     if shown.error is not None:

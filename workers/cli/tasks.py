@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import sys
-from collections import Counter
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -292,13 +291,10 @@ def list_paused_tasks(
 def _waiting_for(row: dict[str, Any]) -> str:
     """What a row's task waits for, in a few words: ``call researcher ×2, signal approval``."""
     from waystation.projections.model import OpenWait
+    from waystation.projections.waits import describe_waits
 
-    if not row["waits"]:
-        return "-"
-    labels = Counter(OpenWait.from_json(w).label for w in row["waits"])
-    shown = ", ".join(f"{label} ×{n}" if n > 1 else label for label, n in labels.items())
-    first_k = row["first_k"]
-    return f"first {first_k} of: {shown}" if first_k is not None else shown
+    labels = (OpenWait.from_json(wait).label for wait in row["waits"])
+    return describe_waits(labels, row["first_k"])
 
 
 def _row_json(row: dict[str, Any]) -> dict[str, Any]:
