@@ -179,7 +179,8 @@ async def test_verify_names_the_stream_and_version_of_a_tampered_event(
 
 class _Stream:
     """One task's stream, decided by the task's own decide functions and appended to the real
-    log as a worker appends (at the version read), until the runtime sends signals itself."""
+    log as a worker appends (at the version read), so that each step (a duplicate signal, a late
+    reply, an invalid payload) comes exactly when the test says."""
 
     def __init__(self, store: PostgresEventStore, task_id: str) -> None:
         self.store = store
