@@ -12,6 +12,12 @@ A task's lifecycle: start and pause with 1 to 3 calls to peer agents; each call 
 deadline extension; once resumed it completes, fails, or pauses again; some are cancelled while
 paused, some are left paused, a few complete without pausing (auditing of all tasks), and a few
 are cancelled before they ever ran.
+
+With ``waits=True`` a pause also waits for signals and timers, beside its calls or alone, it
+records an agent version, and some resume on the first k of their waits (``FirstK``); a
+signal waited for is sent (sometimes twice: the second is a duplicate) or times out, a timer
+fires, and a task running again sometimes gets a signal before it waits for it, kept for the
+next pause that does.
 """
 
 from __future__ import annotations
@@ -28,13 +34,17 @@ from .store import EventStore
 from .task import (
     Call,
     Complete,
+    FirstK,
     Pause,
+    Signal,
+    Sleep,
     TaskState,
     decide_cancel,
     decide_extension,
     decide_failure,
     decide_outcome,
     decide_reply,
+    decide_signal,
     decide_timeout,
     event_id,
     fold,
@@ -44,6 +54,7 @@ __all__ = ["SimulatedTask", "simulate"]
 
 AGENTS = ("planner", "writer", "reviewer")
 PEERS = ("search", "summarise", "translate", "review")
+SIGNALS = ("approval", "webhook")
 NOW = 1_700_000_000.0
 
 
@@ -58,8 +69,17 @@ class SimulatedTask:
 
 
 class _Writer:
-    def __init__(self, store: EventStore, rng: random.Random, prefix: str, deployment: str):
+    def __init__(
+        self,
+        store: EventStore,
+        rng: random.Random,
+        prefix: str,
+        deployment: str,
+        waits: bool = False,
+    ):
         self.store = store
+        self.waits = waits
+        self.agent_version = f"{deployment}-2" if waits else None
         self.rng = rng
         self.prefix = prefix
         self.metadata = EventMetadata(worker_id=prefix, deployment=deployment)
@@ -101,18 +121,37 @@ class _Writer:
                 )
             else:
                 events = decide_outcome(
-                    state, self._pause(), now=NOW, default_timeout=30, start=start
+                    state,
+                    self._pause(),
+                    now=NOW,
+                    default_timeout=30,
+                    start=start,
+                    agent_version=self.agent_version,
                 )
         elif state.status == "paused":
             events = self._on_paused(state)
         elif state.status == "resumed":
             roll = rng.random()
-            if roll < 0.6:
+            if self.waits and roll < 0.1:  # a signal before its wait: kept for the next one
+                events = decide_signal(
+                    state,
+                    rng.choice(SIGNALS),
+                    {"early": task.steps},
+                    signal_id=f"early-{key}",
+                    sender="sim",
+                )
+            elif roll < 0.6:
                 events = decide_outcome(state, Complete({"ok": True}), now=NOW, default_timeout=30)
             elif roll < 0.7:
                 events = decide_failure(state, {"type": "boom"})
             else:
-                events = decide_outcome(state, self._pause(), now=NOW, default_timeout=30)
+                events = decide_outcome(
+                    state,
+                    self._pause(),
+                    now=NOW,
+                    default_timeout=30,
+                    agent_version=self.agent_version,
+                )
         else:
             return False
         if events:
@@ -122,11 +161,21 @@ class _Writer:
 
     def _pause(self) -> Pause:
         rng = self.rng
-        calls = [
-            Call(rng.choice(PEERS), {"q": rng.randrange(1000)}, timeout=rng.choice((None, 5, 60)))
-            for _ in range(rng.randint(1, 3))
-        ]
-        return Pause(calls, update={"step": rng.randrange(100)})
+        waits = [self._wait() for _ in range(rng.randint(1, 3))]
+        until = None
+        if self.waits and len(waits) > 1 and rng.random() < 0.3:
+            until = FirstK(rng.randint(1, len(waits) - 1))
+        return Pause(waits, update={"step": rng.randrange(100)}, until=until)
+
+    def _wait(self) -> Call | Signal | Sleep:
+        rng = self.rng
+        roll = rng.random() if self.waits else 0.0
+        if roll > 0.8:
+            return Sleep(rng.choice((1, 3600)))
+        if roll > 0.6:
+            return Signal(rng.choice(SIGNALS), timeout=rng.choice((None, 60)))
+        peer = rng.choice(PEERS)
+        return Call(peer, {"q": rng.randrange(1000)}, timeout=rng.choice((None, 5, 60)))
 
     def _on_paused(self, state: TaskState) -> list[DomainEvent]:
         rng = self.rng
@@ -135,6 +184,15 @@ class _Writer:
         if roll < 0.04:
             return decide_cancel(state, "operator cancel")
         call = rng.choice(outstanding)
+        if call.kind == "timer":
+            return decide_timeout(state, call.subtask_id, now=math.inf)
+        if call.kind == "signal" and roll >= 0.18:
+            signal_id = f"signal-{call.subtask_id}"
+            if roll < 0.22 and state.signals:  # one sent again: a duplicate, which changes nothing
+                signal_id = rng.choice(sorted(state.signals))
+            return decide_signal(
+                state, call.name or "", {"ok": roll}, signal_id=signal_id, sender="sim"
+            )
         if roll < 0.10:
             return decide_extension(
                 state, call.subtask_id, extend_by=120, now=NOW + 1, max_duration=3600
@@ -164,11 +222,13 @@ async def simulate(
     prefix: str = "sim",
     leave_paused: float = 0.1,
     in_flight: int = 20,
+    waits: bool = False,
 ) -> list[SimulatedTask]:
     """Drive ``tasks`` tasks through their lifecycles with ``writers`` concurrent writers, each
     stepping up to ``in_flight`` of its tasks in random turns (so streams interleave in the log).
-    A share ``leave_paused`` of the tasks stops at its first pause. Returns every task with its
-    final state."""
+    A share ``leave_paused`` of the tasks stops at its first pause; ``waits``: pauses wait for
+    signals and timers too, some on the first k of their waits (the module docstring says how).
+    Returns every task with its final state."""
     everything: list[SimulatedTask] = []
 
     async def writer(index: int) -> None:
@@ -178,7 +238,7 @@ async def simulate(
             for n in range(index, tasks, writers)
         ]
         everything.extend(mine)
-        write = _Writer(store, rng, f"{prefix}-writer-{index}", prefix)
+        write = _Writer(store, rng, f"{prefix}-writer-{index}", prefix, waits)
         waiting = list(reversed(mine))
         running: list[SimulatedTask] = []
         stop_at_pause = {t.task_id for t in mine if rng.random() < leave_paused}

@@ -3,9 +3,16 @@ reads the log through the store's port.
 
 ``verify_stream`` checks one task's stream as the log holds it: contiguous versions from 1, the
 hash chain (each ``prev_hash`` links to the event before, each ``hash`` matches the content), and
-the invariants of the task's state machine (docs/guarantees.md): a sub-task is claimed at most once
-(G2), a pause is resumed at most once and only after every one of its calls has a result (G3),
-every result follows its claim, and nothing but audit-only events follows a terminal event.
+the invariants of the task's state machine (docs/guarantees.md): a wait of any kind is claimed at
+most once (G2), a pause is resumed at most once and only when its rule is met, every result
+follows its claim, and nothing but audit-only events follows a terminal event.
+
+The waits beyond peer calls (issue 31) add their own: a signal is recorded once
+(``SignalReceived`` per ``signal_id``) and taken by one wait at most; a signal wait is claimed by a
+signal of its name recorded before the claim (or, with no signal, by its timeout); a timer fires
+ok and a signal wait's result is its signal (ok) or its timeout; a pause resumes once every wait
+has a result, or, with ``FirstK(k)``, once k succeeded or k can no longer be reached, and its
+``TaskResumed.abandoned`` names exactly the waits still open then, which nothing claims later.
 
 ``verify_stream`` also checks part of a stream (``partial=True``, e.g. a position range of an
 export): the chain is then anchored at the first event's stored ``prev_hash``, and an invariant is
@@ -20,15 +27,17 @@ Reading a stream for people (its timeline, a task's state at a past point) is
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+from collections.abc import Iterator, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
 from waystation.events.codec import GENESIS_HASH, chain_hash
 from waystation.events.model import (
     DomainEvent,
+    PendingCall,
     RecordedEvent,
     ResultRecorded,
+    SignalReceived,
     SubtaskClaimed,
     TaskPaused,
     TaskResumed,
@@ -49,9 +58,11 @@ class Problem:
     kind: str
     """``version-gap``, ``broken-link``, ``hash-mismatch``, ``unreadable``, ``double-claim``,
     ``double-result``, ``result-without-claim``, ``double-resume``, ``early-resume``,
-    ``after-terminal``, ``foreign-event``, ``unsupported-version`` (a schema version this code
-    cannot read, see ``waystation.events.upcasting``: its invariants could not be checked), or, in
-    an export only, ``bad-redaction`` (see ``waystation.projections.exported``)."""
+    ``wrong-abandoned``, ``claim-after-abandon``, ``double-signal``, ``signal-reused``,
+    ``claim-without-signal``, ``wrong-outcome``, ``after-terminal``, ``foreign-event``,
+    ``unsupported-version`` (a schema version this code cannot read, see
+    ``waystation.events.upcasting``: its invariants could not be checked), or, in an export only,
+    ``bad-redaction`` (see ``waystation.projections.exported``)."""
     message: str
 
     def __str__(self) -> str:
@@ -90,7 +101,7 @@ def verify_stream(
     stream_id = events[0].stream_id
     expected_version = events[0].stream_version if partial else 1
     previous_hash = events[0].prev_hash if partial else GENESIS_HASH
-    calls_of_pause: dict[int, tuple[str, ...]] = {}
+    waits = _Waits()
     claimed: set[str] = set()
     results: set[str] = set()
     resumed: set[int] = set()
@@ -98,7 +109,7 @@ def verify_stream(
 
     def seen(pause: int) -> bool:
         """Whether every event of ``pause`` from its TaskPaused on is among ``events``."""
-        return not partial or pause in calls_of_pause
+        return not partial or pause in waits.pauses
 
     for event in events:
         version = event.stream_version
@@ -153,11 +164,18 @@ def verify_stream(
             terminal = event
 
         if isinstance(parsed, TaskPaused):
-            calls_of_pause[parsed.pause] = tuple(c.subtask_id for c in parsed.calls)
+            waits.paused(parsed)
+        elif isinstance(parsed, SignalReceived):
+            if parsed.signal_id in waits.signals:
+                problem("double-signal", f"signal {parsed.signal_id} recorded a second time")
+            else:
+                waits.signals[parsed.signal_id] = parsed
         elif isinstance(parsed, SubtaskClaimed):
             if parsed.subtask_id in claimed:
                 problem("double-claim", f"{parsed.subtask_id} claimed a second time")
             claimed.add(parsed.subtask_id)
+            for kind, message in waits.claim(parsed, partial):
+                problem(kind, message)
         elif isinstance(parsed, ResultRecorded):
             if parsed.subtask_id not in claimed and seen(parsed.pause):
                 problem(
@@ -167,21 +185,128 @@ def verify_stream(
             if parsed.subtask_id in results:
                 problem("double-result", f"a second result for {parsed.subtask_id}")
             results.add(parsed.subtask_id)
+            for kind, message in waits.result(parsed):
+                problem(kind, message)
         elif isinstance(parsed, TaskResumed):
             if parsed.pause in resumed:
                 problem("double-resume", f"pause #{parsed.pause} resumed a second time")
             resumed.add(parsed.pause)
-            if parsed.pause not in calls_of_pause:
+            if parsed.pause not in waits.pauses:
                 if seen(parsed.pause):
                     problem("early-resume", f"resumed pause #{parsed.pause}, which never paused")
             else:
-                missing = [s for s in calls_of_pause[parsed.pause] if s not in results]
-                if missing:
-                    problem(
-                        "early-resume",
-                        f"resumed pause #{parsed.pause} before the results of {', '.join(missing)}",
-                    )
+                for kind, message in waits.resume(parsed):
+                    problem(kind, message)
     return problems
+
+
+class _Waits:
+    """What the checks of waits need to know of a stream so far: each pause's waits, the
+    signals recorded, who claimed what, the results and the waits given up."""
+
+    def __init__(self) -> None:
+        self.pauses: dict[int, TaskPaused] = {}
+        self.wait: dict[str, PendingCall] = {}
+        self.signals: dict[str, SignalReceived] = {}
+        self.consumed: dict[str, str] = {}
+        """Signal id to the wait that took it."""
+        self.claims: dict[str, str | None] = {}
+        """Wait to the message id its claim names."""
+        self.outcomes: dict[str, str] = {}
+        self.abandoned: dict[str, int] = {}
+        """Wait given up to the pause whose resume gave it up."""
+
+    def paused(self, pause: TaskPaused) -> None:
+        self.pauses[pause.pause] = pause
+        self.wait.update((w.subtask_id, w) for w in pause.calls)
+
+    def claim(self, claim: SubtaskClaimed, partial: bool) -> Iterator[tuple[str, str]]:
+        """The problems of a claim: of a wait given up, or of a signal wait by no signal of its
+        name recorded before it, or by a signal another wait took."""
+        wait_id, signal_id = claim.subtask_id, claim.message_id
+        self.claims[wait_id] = signal_id
+        if wait_id in self.abandoned:
+            yield (
+                "claim-after-abandon",
+                f"{wait_id} claimed after the resume of pause #{self.abandoned[wait_id]} gave "
+                "it up",
+            )
+        wait = self.wait.get(wait_id)
+        by_signal = signal_id is not None and (
+            signal_id in self.signals or (wait is not None and wait.kind == "signal")
+        )
+        if not by_signal:
+            return
+        assert signal_id is not None
+        if signal_id in self.consumed:
+            yield (
+                "signal-reused",
+                f"signal {signal_id} claims {wait_id}, but {self.consumed[signal_id]} took it",
+            )
+        else:
+            self.consumed[signal_id] = wait_id
+        if wait is None or wait.kind != "signal":
+            return
+        signal = self.signals.get(signal_id)
+        if signal is None and not partial:  # a partial stream may start after the signal
+            yield (
+                "claim-without-signal",
+                f"{wait_id} claimed by signal {signal_id}, which no SignalReceived before it "
+                "records",
+            )
+        elif signal is not None and signal.name != wait.name:
+            yield (
+                "claim-without-signal",
+                f"{wait_id} waits for signal {wait.name!r} but was claimed by signal "
+                f"{signal_id}, named {signal.name!r}",
+            )
+
+    def result(self, result: ResultRecorded) -> Iterator[tuple[str, str]]:
+        """The problems of a result: a timer's that is not ok, a signal wait's that is not its
+        signal (ok) or its timeout (no signal)."""
+        wait_id = result.subtask_id
+        self.outcomes[wait_id] = result.outcome
+        wait = self.wait.get(wait_id)
+        if wait is None or wait_id not in self.claims:
+            return
+        if wait.kind == "timer" and result.outcome != "ok":
+            yield "wrong-outcome", f"timer {wait_id} fired with outcome {result.outcome}, not ok"
+        elif wait.kind == "signal":
+            want = "timeout" if self.claims[wait_id] is None else "ok"
+            if result.outcome != want:
+                how = "timed out" if want == "timeout" else "took a signal"
+                yield (
+                    "wrong-outcome",
+                    f"signal wait {wait_id} {how} but records outcome {result.outcome}, not {want}",
+                )
+
+    def resume(self, resume: TaskResumed) -> Iterator[tuple[str, str]]:
+        """The problems of a resume: its pause's rule not met yet (every wait ended, or its
+        FirstK reached or out of reach), or ``abandoned`` not the waits still open."""
+        pause = self.pauses[resume.pause]
+        ids = [w.subtask_id for w in pause.calls]
+        still_open = [i for i in ids if i not in self.outcomes]
+        successes = sum(self.outcomes.get(i) == "ok" for i in ids)
+        k = pause.until
+        if k is None and still_open:
+            yield (
+                "early-resume",
+                f"resumed pause #{resume.pause} before the results of {', '.join(still_open)}",
+            )
+        elif k is not None and successes < k <= successes + len(still_open):
+            yield (
+                "early-resume",
+                f"resumed pause #{resume.pause} (first {k}) after {successes} success(es), "
+                f"with {len(still_open)} wait(s) still open that could reach {k}",
+            )
+        given_up = [c.subtask_id for c in resume.abandoned]
+        if set(given_up) != set(still_open) and not (k is None and not given_up):
+            yield (
+                "wrong-abandoned",
+                f"resume of pause #{resume.pause} gives up [{', '.join(given_up)}] but "
+                f"[{', '.join(still_open)}] were still open",
+            )
+        self.abandoned.update((i, resume.pause) for i in given_up)
 
 
 # ---- reading the log -----------------------------------------------------------------------------

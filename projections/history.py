@@ -1,7 +1,10 @@
 """A task's history, read for people: its timeline, its pauses, and its state at a past point.
 Pure functions of a stream's events (``waystation.projections.audit.read_streams`` reads them).
 
-``timeline`` turns the stream into one readable entry per event, with how long each pause lasted.
+``timeline`` turns the stream into one readable entry per event, with how long each pause lasted:
+what each pause waits for (peer calls, signals, timers, the first k of them) and the agent
+version that paused, each signal with its sender and the wait that took it (or that it was
+kept, or refused and why), a timer firing, and the waits a resume gave up.
 
 ``state_as_of`` is what ``waystation.events.task.fold`` said about a task at a past position or
 time.
@@ -9,9 +12,8 @@ time.
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,9 +21,12 @@ from waystation.events.codec import canonical
 from waystation.events.model import (
     DeadlineExtended,
     DomainEvent,
+    PendingCall,
     RecordedEvent,
     ReplyIgnored,
     ResultRecorded,
+    SignalReceived,
+    SignalRefused,
     SubtaskClaimed,
     TaskCancelled,
     TaskCompleted,
@@ -34,6 +39,7 @@ from waystation.events.model import (
 from waystation.events.task import TaskState, fold
 
 from .audit import _parsed
+from .waits import describe_claim, describe_pause
 
 __all__ = ["PastState", "PauseSpan", "TimelineEntry", "pauses", "state_as_of", "timeline"]
 
@@ -50,6 +56,8 @@ class PauseSpan:
     paused_at: datetime | None
     resumed_version: int | None = None
     resumed_at: datetime | None = None
+    agent_version: str | None = None
+    """The version of the agent's code that paused, when the pause records one."""
 
     @property
     def seconds(self) -> float | None:
@@ -65,6 +73,7 @@ class PauseSpan:
             "resumed_version": self.resumed_version,
             "resumed_at": _iso(self.resumed_at),
             "seconds": self.seconds,
+            "agent_version": self.agent_version,
         }
 
 
@@ -82,6 +91,8 @@ class TimelineEntry:
     """On a ``TaskPaused`` and its ``TaskResumed``: how long that pause lasted."""
     trace_id: str | None = None
     """The trace the event was written under (its metadata's ``trace_id``)."""
+    sender: str | None = None
+    """On a ``SignalReceived`` or ``SignalRefused``: who sent the signal (the AMQP user)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -92,6 +103,7 @@ class TimelineEntry:
             "summary": self.summary,
             "pause_seconds": self.pause_seconds,
             "trace_id": self.trace_id,
+            "sender": self.sender,
         }
 
 
@@ -105,16 +117,17 @@ def pauses(events: Sequence[RecordedEvent]) -> list[PauseSpan]:
     for event in events:
         parsed = _parsed(event)
         if isinstance(parsed, TaskPaused) and parsed.pause not in spans:
-            spans[parsed.pause] = PauseSpan(parsed.pause, event.stream_version, event.recorded_at)
+            spans[parsed.pause] = PauseSpan(
+                parsed.pause,
+                event.stream_version,
+                event.recorded_at,
+                agent_version=parsed.agent_version,
+            )
         elif isinstance(parsed, TaskResumed):
             span = spans.get(parsed.pause)
             if span is not None and span.resumed_version is None:
-                spans[parsed.pause] = PauseSpan(
-                    span.pause,
-                    span.paused_version,
-                    span.paused_at,
-                    event.stream_version,
-                    event.recorded_at,
+                spans[parsed.pause] = replace(
+                    span, resumed_version=event.stream_version, resumed_at=event.recorded_at
                 )
     return [spans[number] for number in sorted(spans)]
 
@@ -127,35 +140,46 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _seconds(value: float) -> str:
-    return f"{value:.3f}".rstrip("0").rstrip(".") if value < 10 else f"{value:.0f}"
+def _signal(received: SignalReceived, taken_by: tuple[str, int] | None, version: int) -> str:
+    sender = f" from {received.sender}" if received.sender else ""
+    what = f"signal {received.name} ({received.signal_id}){sender} {_short(received.payload, 40)}"
+    if taken_by is None:
+        return f"{what}: kept, no wait has taken it"
+    wait, at = taken_by
+    if at == version + 1:
+        return f"{what}: taken by {wait}"
+    return f"{what}: kept, then taken by {wait} at v{at}"
 
 
-def _agents(paused: TaskPaused) -> str:
-    counts = Counter(call.agent for call in paused.calls)
-    return ", ".join(f"{agent} ×{n}" if n > 1 else agent for agent, n in counts.items())
-
-
-def _summary(event: RecordedEvent, parsed: DomainEvent | None, span: PauseSpan | None) -> str:
+def _summary(
+    event: RecordedEvent,
+    parsed: DomainEvent | None,
+    span: PauseSpan | None,
+    waits: Mapping[str, PendingCall],
+    taken: Mapping[str, tuple[str, int]],
+) -> str:
     if parsed is None:
         return f"unreadable {event.event_type} event"
     if isinstance(parsed, TaskStarted):
         return f"started {parsed.agent} with input {_short(parsed.input)}"
     if isinstance(parsed, TaskPaused):
-        timeouts = [
-            c.deadline_at - c.dispatched_at for c in parsed.calls if c.dispatched_at is not None
-        ]
-        deadline = f" (deadline in {_seconds(max(timeouts))} s)" if timeouts else ""
-        return f"paused #{parsed.pause} calling {_agents(parsed)}{deadline}"
+        return f"paused #{parsed.pause} {describe_pause(parsed)}"
     if isinstance(parsed, SubtaskClaimed):
-        how = "" if parsed.message_id is not None else " (no reply message: its deadline passed)"
-        return f"claimed {parsed.subtask_id}{how}"
+        return describe_claim(parsed, waits.get(parsed.subtask_id))
     if isinstance(parsed, ResultRecorded):
         return f"result {parsed.outcome} for {parsed.subtask_id}"
     if isinstance(parsed, TaskResumed):
         seconds = span.seconds if span is not None else None
         after = f" after {seconds:.3f} s" if seconds is not None else ""
-        return f"resumed from pause #{parsed.pause}{after}"
+        given_up = ", ".join(c.subtask_id for c in parsed.abandoned)
+        gave_up = f", giving up {given_up}" if given_up else ""
+        return f"resumed from pause #{parsed.pause}{after}{gave_up}"
+    if isinstance(parsed, SignalReceived):
+        return _signal(parsed, taken.get(parsed.signal_id), event.stream_version)
+    if isinstance(parsed, SignalRefused):
+        sender = f" from {parsed.sender}" if parsed.sender else ""
+        detail = f" ({parsed.detail})" if parsed.detail else ""
+        return f"refused signal {parsed.name} ({parsed.signal_id}){sender}: {parsed.reason}{detail}"
     if isinstance(parsed, TaskCompleted):
         return "completed"
     if isinstance(parsed, TaskFailed):
@@ -190,12 +214,24 @@ def _summary(event: RecordedEvent, parsed: DomainEvent | None, span: PauseSpan |
     return event.event_type
 
 
+_SIGNALS = (SignalReceived, SignalRefused)
+
+
 def timeline(events: Sequence[RecordedEvent]) -> list[TimelineEntry]:
     """One readable entry per event of a task's stream, in stream order."""
     spans = {span.pause: span for span in pauses(events)}
+    parsed_events = [_parsed(event) for event in events]
+    # the wait that took each signal, and where: the claim naming it
+    taken = {
+        p.message_id: (p.subtask_id, e.stream_version)
+        for e, p in zip(events, parsed_events, strict=True)
+        if isinstance(p, SubtaskClaimed) and p.message_id is not None
+    }
+    waits: dict[str, PendingCall] = {}
     entries = []
-    for event in events:
-        parsed = _parsed(event)
+    for event, parsed in zip(events, parsed_events, strict=True):
+        if isinstance(parsed, TaskPaused):
+            waits.update((w.subtask_id, w) for w in parsed.calls)
         span: PauseSpan | None = None
         if isinstance(parsed, TaskPaused | TaskResumed):
             span = spans.get(parsed.pause)
@@ -212,9 +248,10 @@ def timeline(events: Sequence[RecordedEvent]) -> list[TimelineEntry]:
                 recorded_at=event.recorded_at,
                 event_type=event.event_type,
                 actor=actor if isinstance(actor, str) else None,
-                summary=_summary(event, parsed, span),
+                summary=_summary(event, parsed, span, waits, taken),
                 pause_seconds=span.seconds if span is not None else None,
                 trace_id=trace if isinstance(trace, str) else None,
+                sender=parsed.sender if isinstance(parsed, _SIGNALS) else None,
             )
         )
     return entries
@@ -251,10 +288,14 @@ class PastState:
             "pause": state.pause,
             "version": state.version,
             "state": dict(state.state),
+            "first_k": state.until,
+            "agent_version": state.agent_version,
             "outstanding": [
                 {
                     "subtask_id": call.subtask_id,
+                    "kind": call.kind,
                     "agent": call.agent,
+                    "name": call.name,
                     "deadline_at": call.deadline_at,
                     "input": call.input,
                 }
@@ -263,12 +304,24 @@ class PastState:
             "results": [
                 {
                     "subtask_id": result.subtask_id,
+                    "kind": result.kind,
                     "agent": result.agent,
+                    "name": result.name,
+                    "sender": result.sender,
                     "outcome": result.outcome,
                     "value": result.value,
                     "error": result.error,
                 }
                 for result in state.results.values()
+            ],
+            "abandoned": sorted(state.abandoned),
+            "kept_signals": [
+                {
+                    "signal_id": signal_id,
+                    "name": state.signals[signal_id].name,
+                    "sender": state.signals[signal_id].sender,
+                }
+                for signal_id in state.kept
             ],
             "result": state.result,
             "error": state.error,

@@ -9,8 +9,13 @@ touches gives the same rows however the log is cut into batches: rebuilding from
 reproduces the live tables (G8).
 
 * Paused tasks: one row per task that has paused and not finished. ``status`` is ``paused``
-  while it waits for results, ``resumed`` once every result is in and it runs again; the row
-  goes when the task completes, fails or is cancelled.
+  while it waits for results, ``resumed`` once its pause has what it waits for and it runs
+  again; the row goes when the task completes, fails or is cancelled. A paused row lists its
+  open waits (:class:`OpenWait`: a peer call and its agent, a signal and its name, a timer),
+  each with its deadline, so that an operator sees what each task waits for and until when.
+  ``waits_expected`` counts the pause's waits of every kind and ``waits_recorded`` those with a
+  result; a ``FirstK`` pause (``first_k``) resumes before every wait has one, and its resume
+  gives the others up, so a resumed row may show fewer results than waits.
 * Agent statistics: counters per agent, added up (the fold returns increments): tasks
   completed, failed and cancelled (as the log records them: tasks that paused at least once, or
   every task with ``WAYSTATION_AUDIT_ALL_TASKS``), tasks paused now, calls *to* the agent that
@@ -21,24 +26,86 @@ reproduces the live tables (G8).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
+
+from .waits import wait_label
 
 __all__ = [
     "UNKNOWN_AGENT",
     "AgentCounts",
     "FeedEvent",
+    "OpenWait",
     "PausedTask",
     "PausedTaskChanges",
     "fold_agent_stats",
     "fold_paused_tasks",
+    "open_waits",
 ]
 
 UNKNOWN_AGENT = "?"
 """The agent of a task whose stream has no ``TaskStarted`` (cancelled before it ever ran)."""
 
 _TERMINAL = frozenset({"TaskCompleted", "TaskFailed", "TaskCancelled"})
+
+
+@dataclass(frozen=True, slots=True)
+class OpenWait:
+    """One wait a paused task has open: a peer call (``agent``), a signal (``name``) or a
+    timer, and its deadline (a timer's: the moment it fires), in seconds since the epoch."""
+
+    subtask_id: str
+    kind: str
+    deadline_at: float
+    agent: str | None = None
+    name: str | None = None
+
+    @property
+    def label(self) -> str:
+        """What the wait is for, in a word or two: ``call researcher``, ``signal approval``,
+        ``timer``."""
+        return wait_label(self.kind, self.agent, self.name)
+
+    def to_json(self) -> dict[str, Any]:
+        shown: dict[str, Any] = {
+            "subtask_id": self.subtask_id,
+            "kind": self.kind,
+            "deadline_at": self.deadline_at,
+        }
+        if self.agent is not None:
+            shown["agent"] = self.agent
+        if self.name is not None:
+            shown["name"] = self.name
+        return shown
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> OpenWait:
+        return cls(
+            subtask_id=data["subtask_id"],
+            kind=data["kind"],
+            deadline_at=data["deadline_at"],
+            agent=data.get("agent"),
+            name=data.get("name"),
+        )
+
+
+def open_waits(calls: Iterable[Mapping[str, Any]]) -> tuple[OpenWait, ...]:
+    """The waits of a ``TaskPaused``'s stored ``calls`` (a wait stored without a kind, as every
+    wait was before signals and timers, is a call; only a call has an agent)."""
+    waits = []
+    for call in calls:
+        kind = call.get("kind") or "call"
+        waits.append(
+            OpenWait(
+                subtask_id=call["subtask_id"],
+                kind=kind,
+                deadline_at=call["deadline_at"],
+                agent=call.get("agent") if kind == "call" else None,
+                name=call.get("name"),
+            )
+        )
+    return tuple(waits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,14 +125,18 @@ class FeedEvent:
     """A ``ResultRecorded``'s outcome: ok, error or timeout."""
     deadline_at: float | None = None
     """A ``DeadlineExtended``'s new deadline (seconds since the epoch)."""
-    deadlines: Mapping[str, float] | None = None
-    """A ``TaskPaused``'s calls: sub-task id to deadline."""
+    waits: tuple[OpenWait, ...] | None = None
+    """A ``TaskPaused``'s waits, in order."""
+    first_k: int | None = None
+    """A ``TaskPaused``'s ``FirstK`` (``until``), when it has one."""
+    agent_version: str | None = None
+    """A ``TaskPaused``'s agent version, when it records one."""
     pending: int = 0
     """A ``TaskCancelled``'s calls still pending (more than 0: it was cancelled while paused)."""
     paused_at: datetime | None = None
     """For a ``TaskResumed``: when the pause it ends began."""
     call_agent: str | None = None
-    """For a timed-out ``ResultRecorded``: the agent that was called."""
+    """For a timed-out ``ResultRecorded``: the agent that was called ("" for a signal's wait)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,17 +146,23 @@ class PausedTask:
     task_id: str
     agent: str
     pause: int
-    calls_expected: int
-    calls_recorded: int
+    waits_expected: int
+    """The pause's waits, of every kind."""
+    waits_recorded: int
+    """The pause's waits with a result."""
     paused_since: datetime
     status: str
     """``paused`` (waiting for results) or ``resumed`` (running again)."""
-    deadlines: Mapping[str, float] = field(default_factory=dict)
-    """The calls still waiting for a result, with their deadlines."""
+    waits: tuple[OpenWait, ...] = ()
+    """The waits still open, in the pause's order (none once resumed)."""
+    first_k: int | None = None
+    """The pause resumes after this many successes (``FirstK``); None: once every wait ends."""
+    agent_version: str | None = None
+    """The agent version the pause recorded."""
 
     @property
     def earliest_deadline(self) -> float | None:
-        return min(self.deadlines.values()) if self.deadlines else None
+        return min(w.deadline_at for w in self.waits) if self.waits else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,27 +182,34 @@ def fold_paused_tasks(
         row = current.get(task_id)
         kind = event.event_type
         if kind == "TaskPaused":
-            deadlines = dict(event.deadlines or {})
+            waits = event.waits or ()
             row = PausedTask(
                 task_id=task_id,
                 agent=event.task_agent or UNKNOWN_AGENT,
                 pause=event.pause or 0,
-                calls_expected=len(deadlines),
-                calls_recorded=0,
+                waits_expected=len(waits),
+                waits_recorded=0,
                 paused_since=event.recorded_at,
                 status="paused",
-                deadlines=deadlines,
+                waits=waits,
+                first_k=event.first_k,
+                agent_version=event.agent_version,
             )
         elif row is None:
             continue
-        elif kind == "ResultRecorded" and event.subtask_id in row.deadlines:
-            deadlines = {k: v for k, v in row.deadlines.items() if k != event.subtask_id}
-            row = replace(row, calls_recorded=row.calls_recorded + 1, deadlines=deadlines)
-        elif kind == "DeadlineExtended" and event.subtask_id in row.deadlines:
-            assert event.subtask_id is not None and event.deadline_at is not None
-            row = replace(row, deadlines={**row.deadlines, event.subtask_id: event.deadline_at})
+        elif kind == "ResultRecorded" and _is_open(row, event.subtask_id):
+            waits = tuple(w for w in row.waits if w.subtask_id != event.subtask_id)
+            row = replace(row, waits_recorded=row.waits_recorded + 1, waits=waits)
+        elif kind == "DeadlineExtended" and _is_open(row, event.subtask_id):
+            assert event.deadline_at is not None
+            waits = tuple(
+                replace(w, deadline_at=event.deadline_at) if w.subtask_id == event.subtask_id else w
+                for w in row.waits
+            )
+            row = replace(row, waits=waits)
         elif kind == "TaskResumed":
-            row = replace(row, status="resumed", deadlines={})
+            # a FirstK pause's resume gives up the waits still open: none is open any more
+            row = replace(row, status="resumed", waits=())
         elif kind in _TERMINAL:
             row = None
         else:
@@ -135,6 +219,10 @@ def fold_paused_tasks(
     upserts = {t: r for t in touched if (r := current[t]) is not None}
     deletes = {t for t in touched if current[t] is None and t in rows}
     return PausedTaskChanges(upserts, deletes)
+
+
+def _is_open(row: PausedTask, subtask_id: str | None) -> bool:
+    return any(w.subtask_id == subtask_id for w in row.waits)
 
 
 @dataclass(slots=True)
@@ -195,7 +283,8 @@ def fold_agent_stats(events: Iterable[FeedEvent]) -> dict[str, AgentCounts]:
             agent.pauses_resumed += 1
             if event.paused_at is not None:
                 agent.pause_microseconds += _microseconds(event.paused_at, event.recorded_at)
-        elif kind == "ResultRecorded" and event.outcome == "timeout":
+        elif kind == "ResultRecorded" and event.outcome == "timeout" and event.call_agent != "":
+            # a signal's wait that timed out has no agent (""): it was no call to one
             of(event.call_agent).timeouts += 1
         elif kind == "TaskCompleted":
             of(event.task_agent).completed += 1

@@ -21,7 +21,7 @@ from waystation.events.codec import loads
 from waystation.events.postgres import SNAPSHOT_HORIZON
 from waystation.events.store import Position
 
-from ..model import FeedEvent
+from ..model import FeedEvent, open_waits
 from .tables import Projection
 
 __all__ = ["catch_up", "create_engine", "read_feed"]
@@ -36,8 +36,15 @@ _FEED = """
            CASE WHEN e.event_type = 'DeadlineExtended'
                 THEN (e.data->>'deadline_at')::float8 END,
            CASE WHEN e.event_type = 'TaskPaused'
-                THEN (SELECT jsonb_object_agg(c->>'subtask_id', c->'deadline_at')
-                      FROM jsonb_array_elements(e.data->'calls') AS c)::text END,
+                -- each wait without its input, which may be large (``open_waits`` reads them)
+                THEN (SELECT jsonb_agg(jsonb_build_object(
+                                 'subtask_id', c->'subtask_id', 'kind', c->'kind',
+                                 'deadline_at', c->'deadline_at', 'agent', c->'agent',
+                                 'name', c->'name') ORDER BY n)
+                      FROM jsonb_array_elements(e.data->'calls') WITH ORDINALITY AS w(c, n))::text
+           END,
+           CASE WHEN e.event_type = 'TaskPaused' THEN (e.data->>'until')::integer END,
+           CASE WHEN e.event_type = 'TaskPaused' THEN e.data->>'agent_version' END,
            CASE WHEN e.event_type = 'TaskCancelled'
                 THEN jsonb_array_length(e.data->'pending') ELSE 0 END,
            p.recorded_at,
@@ -117,10 +124,12 @@ def _feed_event(row: Any) -> FeedEvent:
         pause=row[7],
         outcome=row[8],
         deadline_at=row[9],
-        deadlines=loads(row[10]) if row[10] is not None else None,
-        pending=row[11],
-        paused_at=row[12],
-        call_agent=row[13],
+        waits=open_waits(loads(row[10])) if row[10] is not None else None,
+        first_k=row[11],
+        agent_version=row[12],
+        pending=row[13],
+        paused_at=row[14],
+        call_agent=row[15],
     )
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from waystation.events.codec import dumps
 from waystation.events.postgres import HorizonHolder, horizon_holder
 from waystation.events.store import Position
 
@@ -118,23 +119,50 @@ async def paused_tasks(
     *,
     agent: str | None = None,
     status: str | None = None,
+    waiting_for: str | None = None,
+    signal: str | None = None,
     limit: int = 100,
 ) -> list[dict[str, Any]]:
-    """Rows of the paused-tasks projection, oldest pause first."""
+    """Rows of the paused-tasks projection, oldest pause first.
+
+    ``waiting_for``: only tasks with an open wait of that kind (``call``, ``signal``,
+    ``timer``); ``signal``: only tasks with an open wait for the signal of that name. Both are
+    answered by the index on ``waits`` (containment).
+    """
+    conditions = []
+    params: dict[str, Any] = {"limit": limit}
+    if agent is not None:
+        conditions.append("agent = :agent")
+        params["agent"] = agent
+    if status is not None:
+        conditions.append("status = :status")
+        params["status"] = status
+    wanted: dict[str, str] = {}
+    if waiting_for is not None:
+        wanted["kind"] = waiting_for
+    if signal is not None:
+        if waiting_for not in (None, "signal"):
+            raise ValueError(f"a signal's wait is not a {waiting_for}'s")
+        wanted |= {"kind": "signal", "name": signal}
+    if wanted:
+        # only the filters asked for, so that the planner sees a plain containment it can
+        # answer with the GIN index, whatever plan it caches
+        conditions.append("waits @> CAST(:wanted AS jsonb)")
+        params["wanted"] = dumps([wanted]).decode()
+    where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
     async with engine.connect() as connection:
         result = await connection.execute(
             text(
-                """
-                SELECT task_id, agent, pause, calls_expected, calls_recorded,
-                       earliest_deadline, paused_since, status
+                f"""
+                SELECT task_id, agent, pause, waits_expected, waits_recorded,
+                       earliest_deadline, paused_since, status, waits, first_k, agent_version
                 FROM paused_tasks
-                WHERE (CAST(:agent AS text) IS NULL OR agent = :agent)
-                  AND (CAST(:status AS text) IS NULL OR status = :status)
+                {where}
                 ORDER BY paused_since, task_id
                 LIMIT :limit
                 """
             ),
-            {"agent": agent, "status": status, "limit": limit},
+            params,
         )
         return [dict(row._mapping) for row in result]
 

@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from waystation.events.codec import dumps, loads
 
-from ..model import FeedEvent, PausedTask, fold_agent_stats, fold_paused_tasks
+from ..model import FeedEvent, OpenWait, PausedTask, fold_agent_stats, fold_paused_tasks
 
 __all__ = ["PROJECTIONS", "AgentStatsProjection", "PausedTasksProjection", "Projection"]
 
@@ -51,8 +51,8 @@ class PausedTasksProjection(Projection):
         if touched:
             result = await connection.execute(
                 text(
-                    f"SELECT task_id, agent, pause, calls_expected, calls_recorded, "
-                    f"paused_since, status, deadlines::text FROM {table} "
+                    f"SELECT task_id, agent, pause, waits_expected, waits_recorded, "
+                    f"paused_since, status, waits::text, first_k, agent_version FROM {table} "
                     f"WHERE task_id = ANY(CAST(:ids AS text[]))"
                 ),
                 {"ids": list(touched)},
@@ -62,11 +62,13 @@ class PausedTasksProjection(Projection):
                     task_id=row[0],
                     agent=row[1],
                     pause=row[2],
-                    calls_expected=row[3],
-                    calls_recorded=row[4],
+                    waits_expected=row[3],
+                    waits_recorded=row[4],
                     paused_since=row[5],
                     status=row[6],
-                    deadlines=loads(row[7]),
+                    waits=tuple(OpenWait.from_json(w) for w in loads(row[7])),
+                    first_k=row[8],
+                    agent_version=row[9],
                 )
         changes = fold_paused_tasks(rows, events)
         if changes.deletes:
@@ -75,40 +77,48 @@ class PausedTasksProjection(Projection):
                 {"ids": list(changes.deletes)},
             )
         if changes.upserts:
-            upserts = list(changes.upserts.values())
-            await connection.execute(
-                text(
-                    f"""
-                    INSERT INTO {table} (task_id, agent, pause, calls_expected, calls_recorded,
-                                         earliest_deadline, paused_since, status, deadlines)
-                    SELECT t, a, p, ce, cr, to_timestamp(ed), ps, st, CAST(dl AS jsonb)
-                    FROM unnest(CAST(:task_ids AS text[]), CAST(:agents AS text[]),
-                                CAST(:pauses AS integer[]), CAST(:expected AS integer[]),
-                                CAST(:recorded AS integer[]), CAST(:earliest AS float8[]),
-                                CAST(:since AS timestamptz[]), CAST(:status AS text[]),
-                                CAST(:deadlines AS text[]))
-                         AS u(t, a, p, ce, cr, ed, ps, st, dl)
-                    ON CONFLICT (task_id) DO UPDATE SET
-                        agent = excluded.agent, pause = excluded.pause,
-                        calls_expected = excluded.calls_expected,
-                        calls_recorded = excluded.calls_recorded,
-                        earliest_deadline = excluded.earliest_deadline,
-                        paused_since = excluded.paused_since, status = excluded.status,
-                        deadlines = excluded.deadlines
-                    """
-                ),
-                {
-                    "task_ids": [r.task_id for r in upserts],
-                    "agents": [r.agent for r in upserts],
-                    "pauses": [r.pause for r in upserts],
-                    "expected": [r.calls_expected for r in upserts],
-                    "recorded": [r.calls_recorded for r in upserts],
-                    "earliest": [r.earliest_deadline for r in upserts],
-                    "since": [r.paused_since for r in upserts],
-                    "status": [r.status for r in upserts],
-                    "deadlines": [dumps(dict(r.deadlines)).decode() for r in upserts],
-                },
-            )
+            await _upsert_paused(connection, table, list(changes.upserts.values()))
+
+
+async def _upsert_paused(connection: AsyncConnection, table: str, rows: list[PausedTask]) -> None:
+    await connection.execute(
+        text(
+            f"""
+            INSERT INTO {table} (task_id, agent, pause, waits_expected, waits_recorded,
+                                 earliest_deadline, paused_since, status, waits, first_k,
+                                 agent_version)
+            SELECT t, a, p, we, wr, to_timestamp(ed), ps, st, CAST(w AS jsonb), k, v
+            FROM unnest(CAST(:task_ids AS text[]), CAST(:agents AS text[]),
+                        CAST(:pauses AS integer[]), CAST(:expected AS integer[]),
+                        CAST(:recorded AS integer[]), CAST(:earliest AS float8[]),
+                        CAST(:since AS timestamptz[]), CAST(:status AS text[]),
+                        CAST(:waits AS text[]), CAST(:first_k AS integer[]),
+                        CAST(:versions AS text[]))
+                 AS u(t, a, p, we, wr, ed, ps, st, w, k, v)
+            ON CONFLICT (task_id) DO UPDATE SET
+                agent = excluded.agent, pause = excluded.pause,
+                waits_expected = excluded.waits_expected,
+                waits_recorded = excluded.waits_recorded,
+                earliest_deadline = excluded.earliest_deadline,
+                paused_since = excluded.paused_since, status = excluded.status,
+                waits = excluded.waits, first_k = excluded.first_k,
+                agent_version = excluded.agent_version
+            """
+        ),
+        {
+            "task_ids": [r.task_id for r in rows],
+            "agents": [r.agent for r in rows],
+            "pauses": [r.pause for r in rows],
+            "expected": [r.waits_expected for r in rows],
+            "recorded": [r.waits_recorded for r in rows],
+            "earliest": [r.earliest_deadline for r in rows],
+            "since": [r.paused_since for r in rows],
+            "status": [r.status for r in rows],
+            "waits": [dumps([w.to_json() for w in r.waits]).decode() for r in rows],
+            "first_k": [r.first_k for r in rows],
+            "versions": [r.agent_version for r in rows],
+        },
+    )
 
 
 _COUNTERS = (

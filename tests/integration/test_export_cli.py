@@ -250,10 +250,10 @@ async def test_ranges_of_the_log_and_the_state_of_a_task_as_of_the_past(
         "agent        orchestrator",
         "pause        #1",
         'state        {"round":1,"total":0}',
-        "outstanding  3 call(s)",
+        "outstanding  3 wait(s): 3 calls",
     ]
     for index, line in enumerate(shown[6:9]):
-        assert line.startswith(f"  {first}:1:{index}  researcher  deadline 20"), line
+        assert line.startswith(f"  {first}:1:{index}  call researcher  deadline 20"), line
     assert shown[9:] == ["results      0"]
 
     code, out, err = await cli(

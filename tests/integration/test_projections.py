@@ -14,12 +14,13 @@ import random
 import time
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
+from alembic import command as alembic_command
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -27,6 +28,7 @@ from scripts.lab.harness.database import PostgresCluster, fresh_database_url
 from scripts.lab.harness.processes import WorkerProcess, log_lines, worker_logs
 from waystation import migrations
 from waystation.events import (
+    PendingCall,
     RecordedEvent,
     ResultRecorded,
     TaskCancelled,
@@ -38,7 +40,7 @@ from waystation.events import (
     fold,
     parse,
 )
-from waystation.events.codec import loads
+from waystation.events.codec import dumps, loads
 from waystation.events.postgres import PostgresEventStore
 from waystation.events.simulation import simulate
 from waystation.projections.model import UNKNOWN_AGENT, AgentCounts
@@ -94,17 +96,31 @@ def _expected_paused(streams: dict[str, list[RecordedEvent]]) -> dict[str, dict[
         rows[task_id] = {
             "agent": state.agent,
             "pause": state.pause,
-            "calls_expected": len(state.calls),
-            "calls_recorded": len(recorded),
+            "waits_expected": len(state.calls),
+            "waits_recorded": len(recorded),
             "paused_since": paused_event.recorded_at,
             "status": state.status,
-            "deadlines": (
-                {c.subtask_id: c.deadline_at for c in state.outstanding}
-                if state.status == "paused"
-                else {}
+            "waits": (
+                [_open_wait(c) for c in state.outstanding] if state.status == "paused" else []
             ),
+            "first_k": state.until,
+            "agent_version": state.agent_version,
         }
     return rows
+
+
+def _open_wait(wait: PendingCall) -> dict[str, Any]:
+    """A wait as the row lists it: its kind, its deadline, a call's agent, a signal's name."""
+    shown: dict[str, Any] = {
+        "subtask_id": wait.subtask_id,
+        "kind": wait.kind,
+        "deadline_at": wait.deadline_at,
+    }
+    if wait.kind == "call":
+        shown["agent"] = wait.agent
+    if wait.name is not None:
+        shown["name"] = wait.name
+    return shown
 
 
 def _expected_stats(streams: dict[str, list[RecordedEvent]]) -> dict[str, AgentCounts]:
@@ -126,7 +142,8 @@ def _expected_stats(streams: dict[str, list[RecordedEvent]]) -> dict[str, AgentC
                 delta = event.recorded_at - paused_at[domain.pause]  # type: ignore[operator]
                 stats[agent].pause_microseconds += delta // timedelta(microseconds=1)
             elif isinstance(domain, ResultRecorded) and domain.outcome == "timeout":
-                stats[call_agents[domain.subtask_id]].timeouts += 1
+                if call_agents[domain.subtask_id]:  # a signal's wait is no call to an agent
+                    stats[call_agents[domain.subtask_id]].timeouts += 1
             elif isinstance(domain, TaskCompleted):
                 stats[agent].completed += 1
             elif isinstance(domain, TaskFailed):
@@ -141,17 +158,17 @@ async def _paused_rows(engine: AsyncEngine) -> dict[str, dict[str, Any]]:
     async with engine.connect() as connection:
         result = await connection.execute(
             text(
-                "SELECT task_id, agent, pause, calls_expected, calls_recorded, paused_since, "
-                "status, deadlines, earliest_deadline FROM paused_tasks"
+                "SELECT task_id, agent, pause, waits_expected, waits_recorded, paused_since, "
+                "status, waits, first_k, agent_version, earliest_deadline FROM paused_tasks"
             )
         )
         rows = {}
         for row in result.mappings():
             row = dict(row)
             earliest = row.pop("earliest_deadline")
-            deadlines = row["deadlines"]
+            deadlines = [w["deadline_at"] for w in row["waits"]]
             assert (earliest.timestamp() if earliest else None) == pytest.approx(
-                min(deadlines.values()) if deadlines else None, abs=1e-5
+                min(deadlines) if deadlines else None, abs=1e-5
             ), row
             rows[row.pop("task_id")] = row
         return rows
@@ -174,7 +191,9 @@ async def test_the_runner_under_8_concurrent_writers_equals_the_streams_and_a_re
     stop = asyncio.Event()
     running = asyncio.create_task(runner.run(stop))
     try:
-        tasks = await simulate(store, tasks=400, writers=8, seed=seed, leave_paused=0.15)
+        tasks = await simulate(
+            store, tasks=400, writers=8, seed=seed, leave_paused=0.15, waits=True
+        )
         assert set(runner.active) == set(PROJECTIONS), "the runner never became active"
         await _until_caught_up(engine)
     finally:
@@ -200,7 +219,7 @@ async def test_a_rebuild_finds_damage_to_the_live_tables_and_repairs_it(
     log_db: tuple[PostgresEventStore, AsyncEngine],
 ) -> None:
     store, engine = log_db
-    await simulate(store, tasks=60, writers=2, seed=7, leave_paused=0.3)
+    await simulate(store, tasks=60, writers=2, seed=7, leave_paused=0.3, waits=True)
     async with engine.connect() as connection:
         for projection in PROJECTIONS.values():
             await catch_up(connection, projection)
@@ -371,7 +390,7 @@ async def test_the_cli_lists_paused_tasks_statistics_and_checks_a_rebuild(
     settings = settings.model_copy(
         update={"database_url": store.engine.url.render_as_string(False)}
     )
-    tasks = await simulate(store, tasks=40, writers=2, seed=11, leave_paused=0.3)
+    tasks = await simulate(store, tasks=80, writers=2, seed=11, leave_paused=0.3, waits=True)
     streams = await _streams(store, [t.task_id for t in tasks])
     behind = sum(len(e) for e in streams.values())
 
@@ -392,9 +411,17 @@ async def test_the_cli_lists_paused_tasks_statistics_and_checks_a_rebuild(
     assert {r["task_id"]: (r["agent"], r["pause"], r["status"]) for r in rows} == {
         t: (row["agent"], row["pause"], row["status"]) for t, row in expected.items()
     }
+    assert {r["task_id"]: _waits_listed(r) for r in rows} == {
+        t: [
+            (w["subtask_id"], w["kind"], w.get("agent"), w.get("name"), w["deadline_at"])
+            for w in row["waits"]
+        ]
+        for t, row in expected.items()
+    }
     table = await asyncio.to_thread(run_cli, settings, "tasks", "--agent", "planner")
     planner = [t for t, row in expected.items() if row["agent"] == "planner"]
     assert sorted(line.split()[0] for line in table.stdout.splitlines()[1:]) == sorted(planner)
+    await _the_cli_filters_on_waits(settings, expected)
 
     stats = await asyncio.to_thread(run_cli, settings, "status", "--json")
     assert stats.returncode == 0, stats.stderr
@@ -433,3 +460,156 @@ async def test_the_cli_lists_paused_tasks_statistics_and_checks_a_rebuild(
     repaired = await asyncio.to_thread(run_cli, settings, "projections", "rebuild", "paused_tasks")
     assert repaired.returncode == 0 and "now holds the rebuilt rows" in repaired.stdout
     assert await _paused_rows(engine) == expected
+
+
+def _waits_listed(row: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """A row's waits as `tasks --json` lists them, deadlines back in seconds since the epoch."""
+    return [
+        (
+            w["subtask_id"],
+            w["kind"],
+            w.get("agent"),
+            w.get("name"),
+            datetime.fromisoformat(w["deadline"]).timestamp(),
+        )
+        for w in row["waits"]
+    ]
+
+
+async def _the_cli_filters_on_waits(settings: Settings, expected: dict[str, Any]) -> None:
+    """`tasks --waiting-for KIND` and `--signal NAME` list exactly the tasks with such an open
+    wait, and the table says what each waits for."""
+
+    def waiting(kind: str, name: str | None = None) -> set[str]:
+        return {
+            t
+            for t, row in expected.items()
+            if any(w["kind"] == kind and name in (None, w.get("name")) for w in row["waits"])
+        }
+
+    for kind in ("call", "signal", "timer"):
+        listed = await asyncio.to_thread(
+            run_cli, settings, "tasks", "--waiting-for", kind, "--json"
+        )
+        assert listed.returncode == 0, listed.stderr
+        assert {r["task_id"] for r in loads(listed.stdout)} == waiting(kind), kind
+        assert waiting(kind), f"no task waits for a {kind}: the filter is not tested"
+    for name in ("approval", "webhook"):
+        named = await asyncio.to_thread(run_cli, settings, "tasks", "--signal", name, "--json")
+        assert {r["task_id"] for r in loads(named.stdout)} == waiting("signal", name), name
+        assert waiting("signal", name) != waiting("signal"), "every task waits for one name"
+
+    table = await asyncio.to_thread(run_cli, settings, "tasks", "--signal", "approval")
+    header, *lines = table.stdout.splitlines()
+    assert header.split()[-2:] == ["waiting", "for"]
+    assert lines and all("signal approval" in line for line in lines), table.stdout
+    first_k = [t for t, row in expected.items() if row["first_k"] and row["status"] == "paused"]
+    listed = await asyncio.to_thread(run_cli, settings, "tasks")
+    shown = {line.split()[0]: line for line in listed.stdout.splitlines()[1:]}
+    assert first_k and all(f"first {expected[t]['first_k']} of: " in shown[t] for t in first_k), (
+        listed.stdout
+    )
+
+    mixed = await asyncio.to_thread(
+        run_cli, settings, "tasks", "--signal", "approval", "--waiting-for", "timer"
+    )
+    assert mixed.returncode == 2 and "--signal" in mixed.stderr, mixed.stderr
+
+
+async def test_rows_kept_before_the_projection_knew_waits_are_what_a_rebuild_gives(
+    services: Services,
+) -> None:
+    """Revision 0009 fills the open waits, FirstK and agent version of the rows already there
+    from their pauses, keeping their deadlines (extended ones too): the migrated table equals a
+    rebuild from zero. Downgrading gives back the rows as they were."""
+    url = fresh_database_url(services.admin_database_url)
+    await migrations.upgrade(url, "0008")
+    store = PostgresEventStore.from_url(url, pool_size=4)
+    engine = create_engine(url)
+    try:
+        tasks = await simulate(store, tasks=80, writers=2, seed=11, leave_paused=0.4, waits=True)
+        expected = _expected_paused(await _streams(store, [t.task_id for t in tasks]))
+        assert any(row["first_k"] for row in expected.values()), "no FirstK pause to migrate"
+        assert all(row["agent_version"] == "sim-2" for row in expected.values())
+        assert {w["kind"] for row in expected.values() for w in row["waits"]} == {
+            "call",
+            "signal",
+            "timer",
+        }
+        old_rows = {task_id: _as_before_0009(row) for task_id, row in expected.items()}
+        async with engine.begin() as connection:
+            await _write_rows_before_0009(connection, old_rows)
+        await migrations.upgrade(url)
+
+        assert await _paused_rows(engine) == expected
+        report = await rebuild(engine, PROJECTIONS["paused_tasks"], check_only=True)
+        assert report.identical, report.to_json()
+
+        await asyncio.to_thread(alembic_command.downgrade, migrations._alembic_config(url), "0008")
+        async with engine.connect() as connection:
+            result = await connection.execute(
+                text(
+                    "SELECT task_id, calls_expected, calls_recorded, deadlines, status "
+                    "FROM paused_tasks"
+                )
+            )
+            downgraded = {row[0]: dict(row._mapping) for row in result}
+        assert downgraded == {
+            task_id: {
+                "task_id": task_id,
+                "calls_expected": row["calls_expected"],
+                "calls_recorded": row["calls_recorded"],
+                "deadlines": row["deadlines"],
+                "status": row["status"],
+            }
+            for task_id, row in old_rows.items()
+        }
+    finally:
+        await engine.dispose()
+        await store.close()
+        await migrations.drop_database(url)
+
+
+def _as_before_0009(row: dict[str, Any]) -> dict[str, Any]:
+    """A row as the paused-tasks projection kept it under revision 0008."""
+    return {
+        "agent": row["agent"],
+        "pause": row["pause"],
+        "calls_expected": row["waits_expected"],
+        "calls_recorded": row["waits_recorded"],
+        "paused_since": row["paused_since"],
+        "status": row["status"],
+        "deadlines": {w["subtask_id"]: w["deadline_at"] for w in row["waits"]},
+    }
+
+
+async def _write_rows_before_0009(connection: Any, rows: dict[str, dict[str, Any]]) -> None:
+    """The rows, and the checkpoint at the end of the log: as a runner under 0008 left them."""
+    for task_id, row in rows.items():
+        deadlines = row["deadlines"]
+        await connection.execute(
+            text(
+                """
+                INSERT INTO paused_tasks (task_id, agent, pause, calls_expected, calls_recorded,
+                                          earliest_deadline, paused_since, status, deadlines)
+                VALUES (:task_id, :agent, :pause, :calls_expected, :calls_recorded,
+                        to_timestamp(CAST(:earliest AS float8)), :paused_since, :status,
+                        CAST(:deadlines_json AS jsonb))
+                """
+            ),
+            {
+                "task_id": task_id,
+                **row,
+                "earliest": min(deadlines.values()) if deadlines else None,
+                "deadlines_json": dumps(deadlines).decode(),
+            },
+        )
+    await connection.execute(
+        text(
+            """
+            INSERT INTO projection_checkpoints (name, tx_id, global_position, events)
+            SELECT 'paused_tasks', tx_id, global_position, (SELECT count(*) FROM events)
+            FROM events ORDER BY tx_id DESC, global_position DESC LIMIT 1
+            """
+        )
+    )

@@ -24,14 +24,19 @@ from waystation.events import (
     EventMetadata,
     EventStore,
     NewEvent,
+    PendingCall,
     RecordedEvent,
+    ResultRecorded,
+    SubtaskClaimed,
     TaskPaused,
+    TaskResumed,
     TaskStarted,
     canonical,
     event_id,
 )
 from waystation.events.codec import GENESIS_HASH
 from waystation.events.memory import InMemoryEventStore
+from waystation.events.model import SignalReceived
 from waystation.events.store import Position
 from waystation.projections.audit import verify_stream
 from waystation.projections.export import Selection, export_log, redact, to_line, to_record
@@ -124,6 +129,46 @@ def test_security_contexts_are_replaced_by_their_hash_and_their_paths_listed() -
         "data.state_delta.security_context",
     ]
     assert b"s3cr3t" not in to_line(started) + to_line(paused)
+
+
+def test_a_signals_payload_is_redacted_where_it_is_recorded_and_where_a_wait_took_it() -> None:
+    """A signal's payload is kept twice: on its ``SignalReceived`` and as the value of the
+    result of the wait that took it; both are redacted like any other payload, the export still
+    verifies offline, and the signal's invariants are still checked on the redacted events."""
+    payload = {"approved": True, "security_context": SECRET}
+    wait = PendingCall(
+        subtask_id=f"{TASK}:1:0",
+        agent="",
+        input=None,
+        deadline_at=1_000_300.0,
+        kind="signal",
+        name="approval",
+    )
+    stream = build(
+        [
+            TaskStarted(agent="boss", input=None),
+            TaskPaused(pause=1, state_delta={}, calls=(wait,)),
+            SignalReceived(signal_id="s1", name="approval", payload=payload, sender="alice"),
+            SubtaskClaimed(subtask_id=wait.subtask_id, pause=1, message_id="s1"),
+            ResultRecorded(subtask_id=wait.subtask_id, pause=1, outcome="ok", value=payload),
+            TaskResumed(pause=1),
+        ]
+    )
+    received, result = to_record(stream[2]), to_record(stream[4])
+    assert received["data"]["payload"] == {
+        "approved": True,
+        "security_context": {"redacted": sha(SECRET)},
+    }
+    assert received["redacted"] == ["data.payload.security_context"]
+    assert result["redacted"] == ["data.value.security_context"]
+    assert b"s3cr3t" not in b"".join(to_line(e) for e in stream)
+
+    exported = round_trip(stream)
+    assert verify_export(exported).ok
+    twice = round_trip([*stream[:3], stream[2], *stream[3:]])
+    assert [p.kind for p in verify_export(twice).problems if p.kind == "double-signal"] == [
+        "double-signal"
+    ]
 
 
 def test_extra_keys_are_redacted_on_request_and_nothing_without_keys() -> None:
@@ -441,7 +486,9 @@ def test_the_state_as_of_a_position_folds_only_the_events_up_to_it() -> None:
     assert shown["outstanding"] == [
         {
             "subtask_id": f"{TASK}:1:2",
+            "kind": "call",
             "agent": "researcher",
+            "name": None,
             "deadline_at": 1_000_300.0,
             "input": {"i": 2},
         }
@@ -449,12 +496,17 @@ def test_the_state_as_of_a_position_folds_only_the_events_up_to_it() -> None:
     assert shown["results"] == [
         {
             "subtask_id": f"{TASK}:1:0",
+            "kind": "call",
             "agent": "researcher",
+            "name": None,
+            "sender": None,
             "outcome": "ok",
             "value": 0,
             "error": None,
         }
     ]
+    assert (shown["first_k"], shown["agent_version"], shown["abandoned"]) == (None, None, [])
+    assert shown["kept_signals"] == []
     assert (shown["status"], shown["agent"], shown["pause"], shown["version"]) == (
         "paused",
         "orchestrator",

@@ -40,9 +40,12 @@ __all__ = ["export", "history", "state", "verify"]
 def verify(task_id: str | None, export_file: Path | None, as_json: bool) -> None:
     """Verify the hash chains and invariants of TASK_ID's stream, or of the whole log.
 
-    Checks contiguous versions, the hash chain, at most one claim per sub-task and one resume per
-    pause, no resume before every result of its pause, no result without its claim, and no event
-    after a terminal one (audit-only events aside). With --file the same checks run on an export,
+    Checks contiguous versions, the hash chain, at most one claim per wait (peer call, signal or
+    timer) and one resume per pause, no resume before its pause's rule is met (every wait has a
+    result, or FirstK's k successes or k out of reach) and its abandoned waits exactly those still
+    open, no claim of a wait given up, each signal recorded once and taken by one wait of its
+    name at most, timers firing ok, no result without its claim, and no event after a terminal
+    one (audit-only events aside). With --file the same checks run on an export,
     without the database; a redacted event's content hash cannot be checked (it covers the
     secret), only its links and invariants, and the report counts such events. A stream that the
     file starts past version 1 gets a partial-stream note and is checked from there. Exit codes:
@@ -126,6 +129,10 @@ def _print_problems(problems: list[Problem]) -> None:
 def history(task_id: str, as_json: bool) -> None:
     """Show TASK_ID's history: who did what, when, and how long each pause lasted.
 
+    Each pause says what it waits for (peer calls, signals, timers, the first K of them) and the
+    agent version that paused; each signal its sender and the wait that took it, or that it was
+    kept for a later one, or refused and why; a resume the waits it gave up.
+
     Exit codes: 0 shown, 2 TASK_ID is not in the log.
     """
     from waystation.projections.history import pauses, timeline
@@ -164,7 +171,8 @@ def history(task_id: str, as_json: bool) -> None:
     for span in spans:
         lasted = f"{span.seconds:.3f} s" if span.seconds is not None else "still waiting"
         resumed = f"v{span.resumed_version}" if span.resumed_version is not None else "-"
-        click.echo(f"pause #{span.pause}: v{span.paused_version} → {resumed}, {lasted}")
+        version = f", agent version {span.agent_version}" if span.agent_version else ""
+        click.echo(f"pause #{span.pause}: v{span.paused_version} → {resumed}, {lasted}{version}")
 
 
 def _iso_time(ctx: click.Context, param: click.Parameter, value: str | None) -> datetime | None:
@@ -309,12 +317,16 @@ async def _export(
 def state(task_id: str, at_position: int | None, at_time: datetime | None, as_json: bool) -> None:
     """Show TASK_ID's state as the log said it at a past position or time (default: now).
 
-    Folds the task's events up to that point: status, agent, pause, the agent's state, the calls
-    still outstanding, the results recorded, its result or error, and the last event included.
+    Folds the task's events up to that point: status, agent, pause (with the agent version that
+    paused and its FirstK, if any), the agent's state, the waits still outstanding by kind
+    (peer calls, signals, timers) with their deadlines, the results recorded (a signal's with
+    its sender), the waits a FirstK resume gave up, the signals kept for a later wait, its
+    result or error, and the last event included.
     A time is compared with recorded_at, the start of the transaction that wrote each event.
     Exit codes: 0 shown, 2 TASK_ID is not in the log or has no event at or before that point.
     """
     from waystation.projections.history import state_as_of
+    from waystation.projections.waits import state_lines
 
     if at_position is not None and at_time is not None:
         raise click.UsageError("give --at-position or --at, not both")
@@ -348,16 +360,8 @@ def state(task_id: str, at_position: int | None, at_time: datetime | None, as_js
     click.echo(f"agent        {shown.agent or '-'}")
     click.echo(f"pause        #{shown.pause}" if shown.pause else "pause        none yet")
     click.echo(f"state        {dumps(dict(shown.state)).decode()}")
-    click.echo(f"outstanding  {len(shown.outstanding)} call(s)")
-    for call in shown.outstanding:
-        deadline = _utc(datetime.fromtimestamp(call.deadline_at, UTC))
-        click.echo(f"  {call.subtask_id}  {call.agent}  deadline {deadline}")
-    click.echo(f"results      {len(shown.results)}")
-    for result in shown.results.values():
-        value = result.value if result.ok else result.error
-        click.echo(
-            f"  {result.subtask_id}  {result.agent}  {result.outcome}  {dumps(value).decode()}"
-        )
+    for line in state_lines(shown):
+        click.echo(line)
     if shown.status == "completed":
         click.echo(f"result       {dumps(shown.result).decode()}")
     if shown.error is not None:

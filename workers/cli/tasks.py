@@ -215,26 +215,58 @@ def _print_letters(letters: list[DeadLetter], as_json: bool) -> None:
     type=click.Choice(["paused", "resumed"]),
     help="paused: waiting for results; resumed: running again after a pause.",
 )
+@click.option(
+    "--waiting-for",
+    type=click.Choice(["call", "signal", "timer"]),
+    help="Only tasks with an open wait of this kind: a peer call, a signal, a timer.",
+)
+@click.option(
+    "--signal",
+    metavar="NAME",
+    help="Only tasks waiting for the signal NAME (`waystation signal TASK_ID NAME ...`).",
+)
 @click.option("--limit", type=int, default=100, show_default=True, help="At most this many.")
 @click.option("--json", "as_json", is_flag=True, help="JSON instead of a table.")
-def list_paused_tasks(agent: str | None, status: str | None, limit: int, as_json: bool) -> None:
-    """List paused tasks (the paused-tasks projection), oldest pause first.
+def list_paused_tasks(
+    agent: str | None,
+    status: str | None,
+    waiting_for: str | None,
+    signal: str | None,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """List paused tasks (the paused-tasks projection), oldest pause first, with what each
+    waits for and until when.
 
-    A task appears from its first pause until it completes, fails or is cancelled. When the
-    projection has never run, or is behind the log (no `waystation projections run` is active,
-    or it lags), a line on stderr says so: the list may then miss tasks or show them as they
-    were. --json prints the rows alone on stdout either way.
+    A task appears from its first pause until it completes, fails or is cancelled. WAITING FOR
+    names its open waits (`call researcher ×2`, `signal approval`, `timer`), `first K of:` when
+    its pause resumes on the first K successes; EARLIEST DEADLINE is the soonest of their
+    deadlines (a timer's is when it fires, a signal's when its wait times out). --json gives
+    each wait with its deadline. When the projection has never run, or is behind the log (no
+    `waystation projections run` is active, or it lags), a line on stderr says so: the list
+    may then miss tasks or show them as they were. --json prints the rows alone on stdout
+    either way.
     """
+    if signal is not None and waiting_for not in (None, "signal"):
+        raise click.UsageError(
+            f"--signal waits for a signal; it cannot be combined with --waiting-for {waiting_for}"
+        )
     rows, projection = run(
         with_projection_engine(
-            load_settings(), _paused_tasks_and_projection, agent=agent, status=status, limit=limit
+            load_settings(),
+            _paused_tasks_and_projection,
+            agent=agent,
+            status=status,
+            waiting_for=waiting_for,
+            signal=signal,
+            limit=limit,
         )
     )
     stale = lag_warning(projection, datetime.now(UTC))
     if stale is not None:
         click.echo(stale, err=True)
     if as_json:
-        click.echo(dumps(rows).decode())
+        click.echo(dumps([_row_json(row) for row in rows]).decode())
         return
     if not rows:
         click.echo(
@@ -245,15 +277,35 @@ def list_paused_tasks(agent: str | None, status: str | None, limit: int, as_json
         return
     click.echo(
         f"{'task':<38} {'agent':<16} {'pause':>5} {'results':>8}  {'paused since (UTC)':<19}  "
-        f"{'earliest deadline':<19}  status"
+        f"{'earliest deadline':<19}  {'status':<7}  waiting for"
     )
     for row in rows:
-        results = f"{row['calls_recorded']}/{row['calls_expected']}"
+        results = f"{row['waits_recorded']}/{row['waits_expected']}"
         click.echo(
             f"{row['task_id']:<38} {row['agent']:<16} {row['pause']:>5} {results:>8}  "
             f"{_moment(row['paused_since']):<19}  {_moment(row['earliest_deadline']):<19}  "
-            f"{row['status']}"
+            f"{row['status']:<7}  {_waiting_for(row)}"
         )
+
+
+def _waiting_for(row: dict[str, Any]) -> str:
+    """What a row's task waits for, in a few words: ``call researcher ×2, signal approval``."""
+    from waystation.projections.model import OpenWait
+    from waystation.projections.waits import describe_waits
+
+    labels = (OpenWait.from_json(wait).label for wait in row["waits"])
+    return describe_waits(labels, row["first_k"])
+
+
+def _row_json(row: dict[str, Any]) -> dict[str, Any]:
+    """A row as `tasks --json` prints it: each open wait's deadline as an ISO-8601 time, as the
+    row's other moments are."""
+    waits = []
+    for wait in row["waits"]:
+        shown = {k: v for k, v in wait.items() if k != "deadline_at"}
+        shown["deadline"] = datetime.fromtimestamp(wait["deadline_at"], UTC)
+        waits.append(shown)
+    return {**row, "waits": waits}
 
 
 async def _paused_tasks_and_projection(

@@ -31,7 +31,7 @@ from typing import Any
 from waystation.events import RecordedEvent, canonical, fold
 from waystation.events.codec import loads
 from waystation.projections.audit import verify_stream
-from waystation.projections.model import FeedEvent, PausedTask, fold_paused_tasks
+from waystation.projections.model import FeedEvent, PausedTask, fold_paused_tasks, open_waits
 from waystation.protocol.wire import HEADER_ATTEMPTS
 from waystation.runtime.outbox import REFUSED_BACKOFF
 from waystation.runtime.sweeper import SWEEP_LEASE
@@ -72,11 +72,9 @@ def _feed(event: RecordedEvent, history: list[RecordedEvent]) -> FeedEvent:
         pause=data.get("pause") if kind in ("TaskPaused", "TaskResumed") else None,
         outcome=data.get("outcome") if kind == "ResultRecorded" else None,
         deadline_at=data.get("deadline_at") if kind == "DeadlineExtended" else None,
-        deadlines=(
-            {c["subtask_id"]: c["deadline_at"] for c in data["calls"]}
-            if kind == "TaskPaused"
-            else None
-        ),
+        waits=open_waits(data["calls"]) if kind == "TaskPaused" else None,
+        first_k=data.get("until") if kind == "TaskPaused" else None,
+        agent_version=data.get("agent_version") if kind == "TaskPaused" else None,
         pending=len(data.get("pending", ())) if kind == "TaskCancelled" else 0,
         paused_at=_moment(paused) if paused is not None and kind == "TaskResumed" else None,
         call_agent=None,
