@@ -13,14 +13,16 @@ from __future__ import annotations
 
 from collections import Counter
 from datetime import UTC, datetime, timedelta, timezone
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import event as hypothesis_event
 from hypothesis import strategies as st
+from pydantic import BaseModel, ConfigDict
 
 from waystation.events import (
+    GENESIS_HASH,
     Call,
     CallResult,
     CancelledCall,
@@ -38,6 +40,8 @@ from waystation.events import (
     TaskPaused,
     TaskResumed,
     TaskState,
+    UnknownEvent,
+    Upcasters,
     VersionConflict,
     decide_cancel,
     decide_extension,
@@ -47,6 +51,7 @@ from waystation.events import (
     event_id,
     parse,
 )
+from waystation.events.chain import recorded_events
 from waystation.events.model import SignalReceived, SignalRefused
 from waystation.events.task import (
     MAX_IGNORED_REPLIES,
@@ -185,6 +190,71 @@ def test_a_resume_that_abandons_waits_stores_them_and_one_that_does_not_stores_i
         "pause": 3,
         "abandoned": [{"subtask_id": "t:1:1", "agent": "b"}],
     }
+
+
+class CallBefore(BaseModel):
+    """A pending call as code before issue 31 reads it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    subtask_id: str
+    agent: str
+    input: Any
+    deadline_at: float
+    dispatched_at: float | None = None
+
+
+class PausedBefore(DomainEvent):
+    event_type: ClassVar[str] = "TaskPaused"
+    pause: int
+    state_delta: dict[str, Any]
+    calls: tuple[CallBefore, ...]
+
+
+class ResumedBefore(DomainEvent):
+    event_type: ClassVar[str] = "TaskResumed"
+    pause: int
+
+
+BEFORE: dict[str, type[DomainEvent]] = {"TaskPaused": PausedBefore, "TaskResumed": ResumedBefore}
+"""The event types of code before issue 31 (with no upcasters): a worker of the previous
+version, in a rolling upgrade, reads the same log."""
+
+
+def read_before(event: DomainEvent) -> DomainEvent:
+    """``event`` stored, then read by code before issue 31."""
+    [recorded] = recorded_events("t", 0, [stored(event)], GENESIS_HASH)
+    return parse(recorded, types=BEFORE, upcasters=Upcasters())
+
+
+def test_older_code_reads_what_it_knows_and_sees_the_rest_as_newer_never_fails() -> None:
+    """What uses none of the new waits reads as it did; what does is a newer version, which an
+    older worker keeps as an unknown event and so decides nothing on. Never a validation error,
+    which would fail its fold of the stream."""
+    calls_alone = first_pause([Call("a", {"q": 1})])
+    assert read_before(calls_alone) == PausedBefore(
+        pause=1,
+        state_delta={},
+        calls=(
+            CallBefore(
+                subtask_id="t:1:0",
+                agent="a",
+                input={"q": 1},
+                deadline_at=NOW + TIMEOUT,
+                dispatched_at=NOW,
+            ),
+        ),
+    )
+    assert read_before(TaskResumed(pause=1)) == ResumedBefore(pause=1)
+    abandoned = (CancelledCall(subtask_id="t:1:1", agent="b"),)
+    for newer in (
+        first_pause([Call("a"), Sleep(5)]),
+        first_pause([Call("a"), Call("b")], FirstK(1)),
+        TaskResumed(pause=1, abandoned=abandoned),
+    ):
+        unknown = read_before(newer)
+        assert isinstance(unknown, UnknownEvent), newer
+        assert (unknown.type_name, unknown.reason) == (newer.event_type, "newer-version")
+        assert parse(recorded_events("t", 0, [stored(newer)], GENESIS_HASH)[0]) == newer
 
 
 # ---- timers --------------------------------------------------------------------------------------
