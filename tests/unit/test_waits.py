@@ -444,6 +444,17 @@ def test_a_kept_signal_waits_for_a_wait_on_its_own_name() -> None:
     assert log.state().kept == ("s1",)
 
 
+def test_a_reply_with_the_message_id_of_a_kept_signal_leaves_the_signal_kept() -> None:
+    """Message ids are the publishers' own: a peer's reply may carry the id a signal has. Only a
+    signal's wait takes a kept signal."""
+    log = paused_on([Call("a")])
+    signal(log, "approval", APPROVAL, "42")
+    reply(log, "t:1:0", "42")
+    assert log.state().kept == ("42",)
+    [_, *taken] = pause_with(log, [Signal("approval")])
+    assert taken == [*claimed("t:2:0", 2, APPROVAL, "42"), TaskResumed(pause=2)]
+
+
 @pytest.mark.parametrize("ending", ["completed", "cancelled"])
 def test_a_signal_for_a_finished_task_is_refused_for_audit(ending: str) -> None:
     log = paused_on([Signal("approval")])
