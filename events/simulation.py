@@ -165,7 +165,7 @@ class _Writer:
         rng.shuffle(waits)
         until = None
         if len(waits) > 1 and rng.random() < 0.25:
-            until = FirstK(rng.randint(1, len(waits) - 1))
+            until = FirstK(rng.randint(1, len(waits)))
         return Pause(waits, update={"step": rng.randrange(100)}, until=until)
 
     def _on_paused(self, state: TaskState, key: str) -> list[DomainEvent]:
