@@ -24,8 +24,12 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from alembic import command
+from alembic.config import Config
 from sqlalchemy import text
 
+from scripts.lab.harness.database import fresh_database_url
+from waystation import migrations
 from waystation.events import (
     GENESIS_HASH,
     CancelledCall,
@@ -52,7 +56,7 @@ from waystation.events.memory import InMemoryEventStore
 from waystation.events.model import WaitKind
 from waystation.events.postgres import PostgresEventStore
 
-from ..support import WINDOW, eventually
+from ..support import WINDOW, Services, eventually
 
 PAST = 1_000_000.0  # 1970-01-12: expired for every backend's clock
 FUTURE = 4_000_000_000.0  # 2096
@@ -494,6 +498,49 @@ class TestPostgresPendingCalls(PendingCallsContract):
             "run",
         )
         assert list(await store.pending_call_deadlines(task_id)) == [f"{task_id}:1:1"]
+
+    async def test_migration_0008_downgrades_to_0007_and_upgrades_again(
+        self, services: Services
+    ) -> None:
+        """Down, the trigger of 0002 lists a pause's waits without kinds; up again, the rows
+        kept meanwhile are calls (what a wait stored before kinds is), and the next pauses list
+        their kinds and names again. A database of the test's own: it migrates."""
+        url = fresh_database_url(services.admin_database_url)
+        config = Config()
+        config.set_main_option("script_location", migrations.SCRIPT_LOCATION)
+        config.attributes["database_url"] = url
+        paused: list[str] = []
+
+        async def pause_one_then_read_the_rows(columns: str) -> set[tuple[Any, ...]]:
+            """Pause a task on a call, a signal and a timer through a store opened now (after
+            the last migration); the table's rows."""
+            store = PostgresEventStore.from_url(url, pool_size=2)
+            try:
+                paused.append(await Tasks(store).paused_on_waits([FUTURE] * 3))
+                async with store.engine.connect() as connection:
+                    rows = await connection.execute(text(f"SELECT {columns} FROM pending_calls"))
+                    return {tuple(row) for row in rows}
+            finally:
+                await store.close()
+
+        await migrations.upgrade(url)
+        try:
+            rows = await pause_one_then_read_the_rows("subtask_id, kind, name")
+            assert (f"{paused[0]}:1:1", "signal", "approval") in rows
+            await asyncio.to_thread(command.downgrade, config, "0007")
+            rows = await pause_one_then_read_the_rows("subtask_id")
+            assert rows == {(f"{t}:1:{i}",) for t in paused for i in range(3)}
+            await migrations.upgrade(url)
+            rows = await pause_one_then_read_the_rows("subtask_id, kind, name")
+            first, second, third = paused
+            assert rows == {
+                *((f"{t}:1:{i}", "call", None) for t in (first, second) for i in range(3)),
+                (f"{third}:1:0", "call", None),
+                (f"{third}:1:1", "signal", "approval"),
+                (f"{third}:1:2", "timer", None),
+            }
+        finally:
+            await migrations.drop_database(url)
 
     async def test_the_table_keeps_each_waits_kind_and_signal_name(
         self, store: PostgresEventStore, tasks: Tasks
