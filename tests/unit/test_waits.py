@@ -184,7 +184,7 @@ def test_a_pause_that_uses_any_new_field_is_stored_as_v2_and_reads_back_equal(
     )
 
 
-def test_a_resume_that_abandons_waits_stores_them_and_one_that_does_not_stores_its_pause() -> None:
+def test_a_resume_that_abandons_waits_stores_them() -> None:
     abandoned = (CancelledCall(subtask_id="t:1:1", agent="b"),)
     assert stored(TaskResumed(pause=3, abandoned=abandoned)).data == {
         "pause": 3,
