@@ -1072,7 +1072,7 @@ async def test_a_fold_going_on_from_a_state_is_the_fold_of_the_whole_stream(seed
     second pauses, cancellations, failures, signals, timers, first-k pauses), also going on
     event by event, and with an event this code cannot read."""
     store = InMemoryEventStore()
-    tasks = await simulate(store, tasks=60, writers=3, seed=seed, in_flight=6)
+    tasks = await simulate(store, tasks=60, writers=3, seed=seed, in_flight=6, waits=True)
     assert len(tasks) == 60
     unreadable = RecordedEvent(
         stream_id="x",
@@ -1126,7 +1126,7 @@ async def test_the_simulated_log_has_every_kind_of_wait_and_the_pending_calls_ag
     holds every kind of wait and what ends it, and the store's pending calls (the sweeper's
     view) are exactly each task's open waits."""
     store = InMemoryEventStore()
-    tasks = await simulate(store, tasks=400, writers=8, seed=seed, leave_paused=0.15)
+    tasks = await simulate(store, tasks=400, writers=8, seed=seed, leave_paused=0.15, waits=True)
     seen: set[str] = set()
     for task in tasks:
         stream = await store.read_stream(task.task_id)
@@ -1144,6 +1144,7 @@ async def test_the_simulated_log_has_every_kind_of_wait_and_the_pending_calls_ag
         "a signal taken by its open wait",
         "a kept signal taken by the pause that waits for it",
         "a signal refused",
+        "a signal's wait timed out",
         "a timer fired",
         "a first-k resume abandoning waits",
         "a late reply to an abandoned wait",
@@ -1168,7 +1169,9 @@ def _what_the_stream_shows(stream: list[RecordedEvent]) -> set[str]:
             if [w.kind for w in event.calls] == ["signal"]:
                 shows.add("a pause on a signal alone")
         elif isinstance(event, SubtaskClaimed) and waits[event.subtask_id].kind == "signal":
-            if isinstance(before, SignalReceived):
+            if event.message_id is None:
+                shows.add("a signal's wait timed out")
+            elif isinstance(before, SignalReceived):
                 shows.add("a signal taken by its open wait")
             else:  # a signal kept before its wait: taken in the pause's own append
                 assert paused_in[event.pause] == recorded.tx_id, event
