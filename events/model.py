@@ -180,6 +180,7 @@ class TaskResumed(DomainEvent):
     nothing."""
 
     event_type: ClassVar[str] = "TaskResumed"
+    schema_version: ClassVar[int] = 2
     pause: int
     abandoned: tuple[CancelledCall, ...] = ()
 
@@ -187,6 +188,11 @@ class TaskResumed(DomainEvent):
         if self.abandoned:
             return self.model_dump(mode="json")
         return {"pause": self.pause}
+
+    def storage_version(self) -> int:
+        # v1 without abandoned waits, as before; with them, a version older code reads as an
+        # unknown event (as it reads the FirstK pause before it) rather than failing to parse
+        return self.schema_version if self.abandoned else 1
 
 
 class TaskCompleted(DomainEvent):

@@ -13,11 +13,15 @@ deadline extension; once resumed it completes, fails, or pauses again; some are 
 paused, some are left paused, a few complete without pausing (auditing of all tasks), and a few
 are cancelled before they ever ran.
 
-With ``waits=True`` a pause also waits for signals and timers, beside its calls or alone, it
-records an agent version, and some resume on the first k of their waits (``FirstK``); a
-signal waited for is sent (sometimes twice: the second is a duplicate) or times out, a timer
-fires, and a task running again sometimes gets a signal before it waits for it, kept for the
-next pause that does.
+With ``waits=True`` (issue 31) the lifecycles use every kind of wait, so that the projections,
+and rebuilds of them, see every event: a pause records an agent version and sometimes waits for
+a signal or a timer beside its calls (now and then for a signal alone), and sometimes resumes on
+the first k (``FirstK``). A signal's wait takes a signal (some sent again with the same id,
+which changes nothing; some refused as invalid first) or times out; a timer fires. A first-k
+pause resumes with its open waits abandoned, and some of their late replies come after. While a
+task runs, a signal may come before the wait that takes it: it is kept, and the next pause
+mostly waits on its name and takes it at once. Without it, the log is what it was before waits
+had kinds (what the rebuild benchmark compares across versions).
 """
 
 from __future__ import annotations
@@ -29,7 +33,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .chain import recorded_events
-from .model import DomainEvent, EventMetadata, NewEvent, RecordedEvent, TaskStarted
+from .model import (
+    DomainEvent,
+    EventMetadata,
+    NewEvent,
+    PendingCall,
+    RecordedEvent,
+    TaskStarted,
+)
 from .store import EventStore
 from .task import (
     Call,
@@ -39,6 +50,7 @@ from .task import (
     Signal,
     Sleep,
     TaskState,
+    Wait,
     decide_cancel,
     decide_extension,
     decide_failure,
@@ -78,11 +90,11 @@ class _Writer:
         waits: bool = False,
     ):
         self.store = store
-        self.waits = waits
-        self.agent_version = f"{deployment}-2" if waits else None
         self.rng = rng
         self.prefix = prefix
         self.metadata = EventMetadata(worker_id=prefix, deployment=deployment)
+        self.waits = waits
+        self.agent_version = f"{deployment}-2" if waits else None
 
     async def _append(
         self, task: SimulatedTask, state: TaskState, events: Sequence[DomainEvent], key: str
@@ -120,38 +132,22 @@ class _Writer:
                     record_completion=True,
                 )
             else:
-                events = decide_outcome(
-                    state,
-                    self._pause(),
-                    now=NOW,
-                    default_timeout=30,
-                    start=start,
-                    agent_version=self.agent_version,
-                )
+                events = self._paused(state, start)
         elif state.status == "paused":
-            events = self._on_paused(state)
+            events = self._on_paused(state, key)
         elif state.status == "resumed":
             roll = rng.random()
-            if self.waits and roll < 0.1:  # a signal before its wait: kept for the next one
-                events = decide_signal(
-                    state,
-                    rng.choice(SIGNALS),
-                    {"early": task.steps},
-                    signal_id=f"early-{key}",
-                    sender="sim",
-                )
+            if self.waits and roll < 0.08:  # a signal before the wait that takes it: kept
+                events = self._signal(state, rng.choice(SIGNALS), key)
+            elif self.waits and roll < 0.13 and state.abandoned:  # late, to a wait given up
+                late = rng.choice(sorted(state.abandoned))
+                events = decide_reply(state, late, outcome="ok", value=1, message_id=f"late-{key}")
             elif roll < 0.6:
                 events = decide_outcome(state, Complete({"ok": True}), now=NOW, default_timeout=30)
             elif roll < 0.7:
                 events = decide_failure(state, {"type": "boom"})
             else:
-                events = decide_outcome(
-                    state,
-                    self._pause(),
-                    now=NOW,
-                    default_timeout=30,
-                    agent_version=self.agent_version,
-                )
+                events = self._paused(state)
         else:
             return False
         if events:
@@ -159,57 +155,89 @@ class _Writer:
         task.state = fold(task.task_id, task.recorded)
         return not task.state.finished
 
-    def _pause(self) -> Pause:
+    def _paused(self, state: TaskState, start: TaskStarted | None = None) -> list[DomainEvent]:
+        pause = self._pause(state)
+        return decide_outcome(
+            state, pause, now=NOW, default_timeout=30, start=start, agent_version=self.agent_version
+        )
+
+    def _pause(self, state: TaskState) -> Pause:
+        """1 to 3 calls; with ``waits``, sometimes with a signal (on the name of one the task
+        keeps, mostly, when it keeps any) or a timer, in any order; sometimes a signal alone;
+        sometimes resumed on the first k."""
         rng = self.rng
-        waits = [self._wait() for _ in range(rng.randint(1, 3))]
+        waits: list[Wait] = [
+            Call(rng.choice(PEERS), {"q": rng.randrange(1000)}, timeout=rng.choice((None, 5, 60)))
+            for _ in range(rng.randint(1, 3))
+        ]
+        if not self.waits:
+            return Pause(waits, update={"step": rng.randrange(100)})
+        roll = rng.random()
+        if state.kept and roll < 0.7:
+            waits.append(Signal(state.signals[rng.choice(state.kept)].name))
+        elif roll < 0.05:
+            waits = [Signal(rng.choice(SIGNALS), timeout=rng.choice((None, 600)))]
+        elif roll < 0.25:
+            waits.append(Signal(rng.choice(SIGNALS), timeout=rng.choice((None, 600))))
+        elif roll < 0.40:
+            waits.append(Sleep(rng.choice((0, 30, 3600))))
+        rng.shuffle(waits)
         until = None
-        if self.waits and len(waits) > 1 and rng.random() < 0.3:
-            until = FirstK(rng.randint(1, len(waits) - 1))
+        if len(waits) > 1 and rng.random() < 0.25:
+            until = FirstK(rng.randint(1, len(waits)))
         return Pause(waits, update={"step": rng.randrange(100)}, until=until)
 
-    def _wait(self) -> Call | Signal | Sleep:
-        rng = self.rng
-        roll = rng.random() if self.waits else 0.0
-        if roll > 0.8:
-            return Sleep(rng.choice((1, 3600)))
-        if roll > 0.6:
-            return Signal(rng.choice(SIGNALS), timeout=rng.choice((None, 60)))
-        peer = rng.choice(PEERS)
-        return Call(peer, {"q": rng.randrange(1000)}, timeout=rng.choice((None, 5, 60)))
-
-    def _on_paused(self, state: TaskState) -> list[DomainEvent]:
+    def _on_paused(self, state: TaskState, key: str) -> list[DomainEvent]:
         rng = self.rng
         outstanding = state.outstanding
         roll = rng.random()
         if roll < 0.04:
             return decide_cancel(state, "operator cancel")
-        call = rng.choice(outstanding)
-        if call.kind == "timer":
-            return decide_timeout(state, call.subtask_id, now=math.inf)
-        if call.kind == "signal" and roll >= 0.18:
-            signal_id = f"signal-{call.subtask_id}"
-            if roll < 0.22 and state.signals:  # one sent again: a duplicate, which changes nothing
-                signal_id = rng.choice(sorted(state.signals))
-            return decide_signal(
-                state, call.name or "", {"ok": roll}, signal_id=signal_id, sender="sim"
-            )
+        wait = rng.choice(outstanding)
+        if wait.kind == "timer":  # the sweeper finds it due: it fires
+            return decide_timeout(state, wait.subtask_id, now=math.inf)
+        if wait.kind == "signal":
+            return self._on_signal_wait(state, wait, key)
         if roll < 0.10:
             return decide_extension(
-                state, call.subtask_id, extend_by=120, now=NOW + 1, max_duration=3600
+                state, wait.subtask_id, extend_by=120, now=NOW + 1, max_duration=3600
             )
         if roll < 0.18:
-            return decide_timeout(state, call.subtask_id, now=math.inf)
+            return decide_timeout(state, wait.subtask_id, now=math.inf)
         if roll < 0.22 and state.claims:  # a duplicate of a reply already applied: audit only
             claimed = rng.choice(sorted(state.claims))
             return decide_reply(state, claimed, outcome="ok", value=1, message_id="dup")
+        if self.waits and roll < 0.26:  # a signal: taken by a wait open on its name, else kept
+            return self._signal(state, rng.choice(SIGNALS), key)
         failed = rng.random() < 0.1
         return decide_reply(
             state,
-            call.subtask_id,
+            wait.subtask_id,
             outcome="error" if failed else "ok",
             value=rng.randrange(100),
             error={"type": "peer"} if failed else None,
-            message_id=f"m-{call.subtask_id}",
+            message_id=f"m-{wait.subtask_id}",
+        )
+
+    def _on_signal_wait(self, state: TaskState, wait: PendingCall, key: str) -> list[DomainEvent]:
+        rng = self.rng
+        roll = rng.random()
+        if roll < 0.1:
+            return self._signal(state, wait.name or "", key, invalid="approved: field required")
+        if roll < 0.2 and state.signals:  # one sent again with its id: [], applied once
+            again = state.signals[rng.choice(sorted(state.signals))]
+            return decide_signal(state, again.name, again.payload, signal_id=again.signal_id)
+        if roll < 0.3:
+            return decide_timeout(state, wait.subtask_id, now=math.inf)
+        return self._signal(state, wait.name or "", key)
+
+    def _signal(
+        self, state: TaskState, name: str, key: str, invalid: str | None = None
+    ) -> list[DomainEvent]:
+        """A signal ``name`` with an id of its own (the step's key), sent by an operator."""
+        payload = None if invalid else {"approved": self.rng.random() < 0.8}
+        return decide_signal(
+            state, name, payload, signal_id=f"sig-{key}", sender="operator", invalid=invalid
         )
 
 
@@ -226,9 +254,9 @@ async def simulate(
 ) -> list[SimulatedTask]:
     """Drive ``tasks`` tasks through their lifecycles with ``writers`` concurrent writers, each
     stepping up to ``in_flight`` of its tasks in random turns (so streams interleave in the log).
-    A share ``leave_paused`` of the tasks stops at its first pause; ``waits``: pauses wait for
-    signals and timers too, some on the first k of their waits (the module docstring says how).
-    Returns every task with its final state."""
+    A share ``leave_paused`` of the tasks stops at its first pause; ``waits``: the lifecycles use
+    signals, timers and first-k pauses too (the module docstring says how). Returns every task
+    with its final state."""
     everything: list[SimulatedTask] = []
 
     async def writer(index: int) -> None:

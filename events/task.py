@@ -475,7 +475,8 @@ def fold(
             agents.update((c.subtask_id, c.agent) for c in event.calls)
         elif isinstance(event, SubtaskClaimed):
             claims[event.subtask_id] = event.message_id
-            if kept and event.message_id in kept:
+            if kept and event.message_id in kept and _is_signal_wait(calls, event.subtask_id):
+                # a signal's wait took it (a reply's message id may be the same string)
                 kept = tuple(k for k in kept if k != event.message_id)
         elif isinstance(event, ReplyIgnored):
             ignored += 1
@@ -534,6 +535,10 @@ def fold(
         signals=signals if isinstance(signals, MappingProxyType) else MappingProxyType(signals),
         kept=tuple(kept),
     )
+
+
+def _is_signal_wait(calls: Sequence[PendingCall], wait_id: str) -> bool:
+    return any(c.subtask_id == wait_id and c.kind == "signal" for c in calls)
 
 
 def _result_of(

@@ -42,6 +42,9 @@ Built-in versions:
   the pause ``until`` and ``agent_version``, all with defaults. A pause that uses none of them is
   still stored as v1, which older code reads; one that does is stored as v2, which older code
   reads as an unknown event and so decides nothing on (a rolling upgrade stays safe).
+* ``TaskResumed`` v2 (issue 31) adds ``abandoned``, the waits a ``FirstK`` pause gave up, with a
+  default. A resume that gives up none is still stored as v1; one that does as v2, for the same
+  reason.
 """
 
 from __future__ import annotations
@@ -152,3 +155,4 @@ BUILTIN = Upcasters()
 """The upcasters of the built-in event types (``waystation.events.model``); ``parse`` uses them by
 default."""
 BUILTIN.additive("TaskPaused", 1)
+BUILTIN.additive("TaskResumed", 1)

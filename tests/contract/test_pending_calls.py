@@ -1,9 +1,11 @@
 """The pending-calls contract (``events/store.py``): ``claim_expired_calls`` and
 ``pending_call_deadlines``, run against every backend.
 
-The projection is kept by the append itself (PostgreSQL: a statement trigger, migration 0002;
-in memory: the same rules in Python). :class:`PendingCallsContract` holds the suite; each backend
-subclasses it and provides the ``store`` fixture.
+The projection is kept by the append itself (PostgreSQL: a statement trigger, migrations 0002
+and 0008; in memory: the same rules in Python). It holds every kind of wait a pause has (issue
+31): peer calls, signals and timers, each swept at its deadline with its kind.
+:class:`PendingCallsContract` holds the suite; each backend subclasses it and provides the
+``store`` fixture.
 
 The PostgreSQL database is shared by the whole test session, so these tests look only at their
 own calls, and leave none behind: every task they pause is cancelled at teardown (a terminal
@@ -17,12 +19,17 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import pytest
 import pytest_asyncio
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import text
 
+from scripts.lab.harness.database import fresh_database_url
+from waystation import migrations
 from waystation.events import (
     GENESIS_HASH,
     CancelledCall,
@@ -46,9 +53,10 @@ from waystation.events import (
     fold,
 )
 from waystation.events.memory import InMemoryEventStore
+from waystation.events.model import WaitKind
 from waystation.events.postgres import PostgresEventStore
 
-from ..support import WINDOW, eventually
+from ..support import WINDOW, Services, eventually
 
 PAST = 1_000_000.0  # 1970-01-12: expired for every backend's clock
 FUTURE = 4_000_000_000.0  # 2096
@@ -95,6 +103,16 @@ class Tasks:
         )
         return task_id
 
+    async def paused_on_waits(self, deadlines: list[float]) -> str:
+        """A new task paused on a call, a signal and a timer (:func:`mixed_pause`)."""
+        task_id = self.new_id()
+        await self.append(
+            task_id,
+            [TaskStarted(agent="boss", input=None), mixed_pause(task_id, 1, deadlines)],
+            "run",
+        )
+        return task_id
+
     async def claim(self, subtask: str, outcome: str = "ok", *, last: bool = False) -> None:
         task_id, number, _ = subtask.rsplit(":", 2)
         events: list[DomainEvent] = [
@@ -115,21 +133,58 @@ class Tasks:
                 await self.end(task_id)
 
 
-def pause(task_id: str, number: int, deadlines: list[float], agent: str = "peer") -> TaskPaused:
+def pause(
+    task_id: str,
+    number: int,
+    deadlines: list[float],
+    agent: str = "peer",
+    kinds: Sequence[WaitKind] = (),
+    until: int | None = None,
+) -> TaskPaused:
+    """A pause on one wait per deadline (sub-tasks ``<task>:<number>:<i>``), of ``kinds`` (calls
+    when not given; a signal is named ``approval``)."""
     return TaskPaused(
         pause=number,
         state_delta={},
         calls=tuple(
             PendingCall(
                 subtask_id=f"{task_id}:{number}:{i}",
-                agent=agent,
-                input={"i": i},
+                agent=agent if kind == "call" else "",
+                input={"i": i} if kind == "call" else None,
                 deadline_at=deadline,
                 dispatched_at=deadline - 1,
+                kind=kind,
+                name="approval" if kind == "signal" else None,
             )
-            for i, deadline in enumerate(deadlines)
+            for i, (deadline, kind) in enumerate(
+                zip(deadlines, kinds or ["call"] * len(deadlines), strict=True)
+            )
         ),
+        until=until,
     )
+
+
+def mixed_pause(task_id: str, number: int, deadlines: list[float]) -> TaskPaused:
+    """A pause on a peer call, a signal and a timer, due at ``deadlines``, resumed on the first
+    success."""
+    return pause(task_id, number, deadlines, kinds=("call", "signal", "timer"), until=1)
+
+
+def first_of(task_id: str, number: int, taken: int, abandoned: list[int]) -> list[DomainEvent]:
+    """The claim of wait ``taken`` of a :func:`mixed_pause` that resumes it, giving up
+    ``abandoned``."""
+    subtask = f"{task_id}:{number}:{taken}"
+    return [
+        SubtaskClaimed(subtask_id=subtask, pause=number),
+        ResultRecorded(subtask_id=subtask, pause=number, outcome="ok"),
+        TaskResumed(
+            pause=number,
+            abandoned=tuple(
+                CancelledCall(subtask_id=f"{task_id}:{number}:{i}", agent="peer" if i == 0 else "")
+                for i in abandoned
+            ),
+        ),
+    ]
 
 
 def mine(claimed: list[ExpiredCall], tasks: Tasks) -> list[ExpiredCall]:
@@ -368,6 +423,36 @@ class PendingCallsContract:
         claimed += [c.subtask_id for c in await claim_all_of_mine(store, tasks)]
         assert sorted(claimed) == sorted(f"{t}:1:{i}" for t in ids for i in range(2))
 
+    async def test_every_kind_of_wait_is_pending_and_claimed_with_its_kind(
+        self, store: EventStore, tasks: Tasks
+    ) -> None:
+        task_id = await tasks.paused_on_waits([PAST, PAST + 1, PAST + 2])
+        found = await store.pending_call_deadlines(task_id)
+        assert sorted(found) == [f"{task_id}:1:{i}" for i in range(3)]
+        claimed = await claim_all_of_mine(store, tasks)
+        assert [(c.subtask_id, c.agent, c.kind) for c in claimed] == [
+            (f"{task_id}:1:0", "peer", "call"),
+            (f"{task_id}:1:1", "", "signal"),
+            (f"{task_id}:1:2", "", "timer"),
+        ]
+
+    async def test_a_wait_stored_before_waits_had_kinds_is_claimed_as_a_call(
+        self, store: EventStore, tasks: Tasks
+    ) -> None:
+        task_id = await tasks.paused([PAST])
+        [stored] = [e for e in await store.read_stream(task_id) if e.event_type == "TaskPaused"]
+        assert stored.schema_version == 1 and "kind" not in stored.data["calls"][0]
+        assert [c.kind for c in await claim_all_of_mine(store, tasks)] == ["call"]
+
+    async def test_a_resume_that_abandons_waits_removes_them_and_no_other_tasks(
+        self, store: EventStore, tasks: Tasks
+    ) -> None:
+        task_id = await tasks.paused_on_waits([PAST] * 3)
+        other = await tasks.paused([PAST])
+        await tasks.append(task_id, first_of(task_id, 1, 1, [0, 2]), "signal:s1")
+        assert await store.pending_call_deadlines(task_id) == {}
+        assert [c.task_id for c in await claim_all_of_mine(store, tasks)] == [other]
+
 
 class TestInMemoryPendingCalls(PendingCallsContract):
     @pytest.fixture
@@ -413,3 +498,68 @@ class TestPostgresPendingCalls(PendingCallsContract):
             "run",
         )
         assert list(await store.pending_call_deadlines(task_id)) == [f"{task_id}:1:1"]
+
+    async def test_migration_0008_downgrades_to_0007_and_upgrades_again(
+        self, services: Services
+    ) -> None:
+        """Down, the trigger of 0002 lists a pause's waits without kinds; up again, the rows
+        kept meanwhile are calls (what a wait stored before kinds is), and the next pauses list
+        their kinds and names again. A database of the test's own: it migrates."""
+        url = fresh_database_url(services.admin_database_url)
+        config = Config()
+        config.set_main_option("script_location", migrations.SCRIPT_LOCATION)
+        config.attributes["database_url"] = url
+        paused: list[str] = []
+
+        async def pause_one_then_read_the_rows(columns: str) -> set[tuple[Any, ...]]:
+            """Pause a task on a call, a signal and a timer through a store opened now (after
+            the last migration); the table's rows."""
+            store = PostgresEventStore.from_url(url, pool_size=2)
+            try:
+                paused.append(await Tasks(store).paused_on_waits([FUTURE] * 3))
+                async with store.engine.connect() as connection:
+                    rows = await connection.execute(text(f"SELECT {columns} FROM pending_calls"))
+                    return {tuple(row) for row in rows}
+            finally:
+                await store.close()
+
+        await migrations.upgrade(url)
+        try:
+            rows = await pause_one_then_read_the_rows("subtask_id, kind, name")
+            assert (f"{paused[0]}:1:1", "signal", "approval") in rows
+            await asyncio.to_thread(command.downgrade, config, "0007")
+            rows = await pause_one_then_read_the_rows("subtask_id")
+            assert rows == {(f"{t}:1:{i}",) for t in paused for i in range(3)}
+            await migrations.upgrade(url)
+            rows = await pause_one_then_read_the_rows("subtask_id, kind, name")
+            first, second, third = paused
+            assert rows == {
+                *((f"{t}:1:{i}", "call", None) for t in (first, second) for i in range(3)),
+                (f"{third}:1:0", "call", None),
+                (f"{third}:1:1", "signal", "approval"),
+                (f"{third}:1:2", "timer", None),
+            }
+        finally:
+            await migrations.drop_database(url)
+
+    async def test_the_table_keeps_each_waits_kind_and_signal_name(
+        self, store: PostgresEventStore, tasks: Tasks
+    ) -> None:
+        """Migration 0008's columns; a wait recorded as before has kind ``call``, no name."""
+        task_id = await tasks.paused_on_waits([FUTURE] * 3)
+        older = await tasks.paused([FUTURE])
+        async with store.engine.connect() as connection:
+            rows = await connection.execute(
+                text(
+                    "SELECT subtask_id, agent, kind, name FROM pending_calls "
+                    "WHERE task_id = ANY(:tasks)"
+                ),
+                {"tasks": [task_id, older]},
+            )
+            found = {tuple(row) for row in rows}
+        assert found == {
+            (f"{task_id}:1:0", "peer", "call", None),
+            (f"{task_id}:1:1", "", "signal", "approval"),
+            (f"{task_id}:1:2", "", "timer", None),
+            (f"{older}:1:0", "peer", "call", None),
+        }

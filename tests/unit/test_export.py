@@ -303,7 +303,7 @@ async def test_an_event_of_a_newer_schema_version_is_reported_not_skipped() -> N
         "TaskResumed",
         {"pause": 1, "why": "new field"},
         {},
-        schema_version=2,
+        schema_version=3,  # TaskResumed is at 2
     )
     started = NewEvent.of(event_id(TASK, "t", 0), fanout()[0], EventMetadata())
     await store.append(TASK, 0, [started, newer], prev_hash=GENESIS_HASH)
@@ -311,11 +311,11 @@ async def test_an_event_of_a_newer_schema_version_is_reported_not_skipped() -> N
     (problem,) = verify_stream(stream)
     assert (problem.stream_version, problem.kind) == (2, "unsupported-version")
     assert problem.message == (
-        "TaskResumed schema v2 cannot be read by this code (newer-version); "
+        "TaskResumed schema v3 cannot be read by this code (newer-version); "
         "its invariants were not checked"
     )
     assert timeline(stream)[1].summary == (
-        "TaskResumed of schema v2, which this code cannot read (newer-version)"
+        "TaskResumed of schema v3, which this code cannot read (newer-version)"
     )
 
 

@@ -11,9 +11,9 @@ the fold.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import pytest
 from hypothesis import Phase, given, settings
@@ -56,6 +56,7 @@ from waystation.events import (
     subtask_id,
 )
 from waystation.events.memory import InMemoryEventStore
+from waystation.events.task import FirstK, Wait
 
 AFTER_EVERY_DEADLINE = math.inf  # the sweeper only offers calls whose deadline passed
 NOW = 1_700_000_000.0
@@ -125,19 +126,28 @@ def started() -> TaskStarted:
     return TaskStarted(agent="boss", input={"go": 1}, reply_to="client.replies")
 
 
-def pause_with(log: Log, calls: list[Call], *, now: float = NOW) -> TaskPaused:
+def pause_with(
+    log: Log,
+    waits: Sequence[Wait],
+    *,
+    now: float = NOW,
+    until: FirstK | None = None,
+    agent_version: str | None = None,
+) -> list[DomainEvent]:
+    """Run the task (new or resumed) to a pause on ``waits``; the events appended (the pause,
+    then the claims of signals the task kept, when any)."""
     state = log.state()
     events = decide_outcome(
         state,
-        Pause(calls),
+        Pause(waits, until=until),
         now=now,
         default_timeout=TIMEOUT,
         start=started() if state.status == "new" else None,
+        agent_version=agent_version,
     )
     log.append(state, events, "run" if state.status == "new" else f"resume:{state.pause}")
-    paused = events[-1]
-    assert isinstance(paused, TaskPaused)
-    return paused
+    assert any(isinstance(e, TaskPaused) for e in events), events
+    return events
 
 
 def paused(calls: int = 2, *, timeouts: list[float | None] | None = None) -> Log:
@@ -147,9 +157,20 @@ def paused(calls: int = 2, *, timeouts: list[float | None] | None = None) -> Log
     return log
 
 
-def reply(log: Log, subtask: str, message_id: str, value: Any = "v") -> list[DomainEvent]:
+def reply(
+    log: Log,
+    subtask: str,
+    message_id: str,
+    value: Any = "v",
+    *,
+    outcome: Literal["ok", "error", "timeout"] = "ok",
+) -> list[DomainEvent]:
+    error = None if outcome == "ok" else {"type": outcome}
+
     def decide(state: TaskState) -> list[DomainEvent]:
-        return decide_reply(state, subtask, outcome="ok", value=value, message_id=message_id)
+        return decide_reply(
+            state, subtask, outcome=outcome, value=value, error=error, message_id=message_id
+        )
 
     state = log.state()
     events = decide(state)
@@ -361,9 +382,10 @@ def test_a_timeout_racing_a_reply_is_settled_by_the_version_check(winner: str) -
 
 def test_every_call_gets_a_deadline_from_dispatch_its_own_timeout_else_the_default() -> None:
     log = Log()
-    paused_event = pause_with(
+    [_, paused_event] = pause_with(
         log, [Call("a", timeout=5), Call("b"), Call("c", timeout=0.25)], now=NOW
     )
+    assert isinstance(paused_event, TaskPaused)
     assert [(c.deadline_at, c.dispatched_at) for c in paused_event.calls] == [
         (NOW + 5, NOW),
         (NOW + TIMEOUT, NOW),
@@ -642,6 +664,55 @@ class Model:
     """Decisions refused with InvalidTransition, each on a state the model calls invalid."""
 
 
+def decide_and_append(
+    log: Log,
+    model: Model,
+    state: TaskState,
+    decide: Callable[[TaskState], list[DomainEvent]],
+    key: Callable[[list[DomainEvent]], str],
+    invalid: Callable[[TaskState], bool] = lambda state: False,
+) -> list[DomainEvent]:
+    """Decide on ``state`` (the current one, or a stale read: a racing writer, which then gets a
+    conflict, re-reads and decides again) and append like a worker; the events appended, [] when
+    nothing was. ``invalid`` is the model's word on which states this input is invalid for:
+    there, and only there, the decision must be refused."""
+    found: str | None = None
+    for _ in range(10):
+        try:
+            events = decide(state)
+        except InvalidTransition as refusal:
+            assert invalid(state), f"refused on a {state.status} state: {refusal}"
+            model.refused += 1
+            events = []
+        else:
+            assert not invalid(state), f"decided {events} on a {state.status} state"
+        if not events:
+            fresh = log.state()
+            if fresh.version == state.version:
+                return []
+            state = fresh  # a stale reader decided nothing; the real one re-reads
+            continue
+        causation = key(events)
+        if causation == found:
+            # decided again what the log already holds under this key: nothing new
+            return []
+        try:
+            result = log.append(state, events, causation)
+        except VersionConflict:
+            model.conflicts += 1
+            state = log.state()
+            continue
+        if result.duplicate:
+            # these ids are in the log already (another writer, same cause): re-read and
+            # decide again, as the worker does (a racing second reply becomes an audit)
+            found = causation
+            state = log.state()
+            continue
+        model.appended += 1
+        return events
+    raise AssertionError("no decision converged")
+
+
 # weighted: a cancel ends the scenario, so it comes rarely; runs happen only when resumed
 ACTIONS = (
     *["reply"] * 3,
@@ -677,44 +748,8 @@ def test_any_interleaving_claims_each_call_once_and_ends_exactly_once(
         key: Callable[[list[DomainEvent]], str],
         invalid: Callable[[TaskState], bool] = lambda state: False,
     ) -> list[DomainEvent]:
-        """Decide and append like a worker; ``invalid`` is the model's word on which states
-        this input is invalid for: there, and only there, the decision must be refused."""
-        state = data.draw(st.sampled_from(snapshots[-3:]), label="read")
-        found: str | None = None
-        for _ in range(10):
-            try:
-                events = decide(state)
-            except InvalidTransition as refusal:
-                assert invalid(state), f"refused on a {state.status} state: {refusal}"
-                model.refused += 1
-                events = []
-            else:
-                assert not invalid(state), f"decided {events} on a {state.status} state"
-            if not events:
-                fresh = log.state()
-                if fresh.version == state.version:
-                    return []
-                state = fresh  # a stale reader decided nothing; the real one re-reads
-                continue
-            causation = key(events)
-            if causation == found:
-                # decided again what the log already holds under this key: nothing new
-                return []
-            try:
-                result = log.append(state, events, causation)
-            except VersionConflict:
-                model.conflicts += 1
-                state = log.state()
-                continue
-            if result.duplicate:
-                # these ids are in the log already (another writer, same cause): re-read and
-                # decide again, as the worker does (a racing second reply becomes an audit)
-                found = causation
-                state = log.state()
-                continue
-            model.appended += 1
-            return events
-        raise AssertionError("no decision converged")
+        read = data.draw(st.sampled_from(snapshots[-3:]), label="read")
+        return decide_and_append(log, model, read, decide, key, invalid)
 
     for step in range(data.draw(st.integers(1, 40), label="steps")):
         clock += 1

@@ -38,6 +38,7 @@ from waystation.events import (
     ReplyIgnored,
     ResultRecorded,
     SubtaskClaimed,
+    TaskCancelled,
     TaskCompleted,
     TaskFailed,
     TaskPaused,
@@ -56,6 +57,7 @@ from waystation.events import (
     subtask_id,
 )
 from waystation.events.memory import InMemoryEventStore
+from waystation.events.model import SignalReceived, SignalRefused
 from waystation.events.simulation import simulate
 from waystation.events.task import MAX_IGNORED_REPLIES, over_ignored_limit
 
@@ -1067,10 +1069,10 @@ def _same_state(going_on: TaskState, whole: TaskState) -> bool:
 async def test_a_fold_going_on_from_a_state_is_the_fold_of_the_whole_stream(seed: int) -> None:
     """``fold(t, later, start=fold(t, earlier))`` is ``fold(t, earlier + later)`` at every split
     of every stream of a simulated log (pauses, replies, duplicates, timeouts, extensions,
-    second pauses, cancellations, failures), also going on event by event, and with an event
-    this code cannot read."""
+    second pauses, cancellations, failures, signals, timers, first-k pauses), also going on
+    event by event, and with an event this code cannot read."""
     store = InMemoryEventStore()
-    tasks = await simulate(store, tasks=60, writers=3, seed=seed, in_flight=6)
+    tasks = await simulate(store, tasks=60, writers=3, seed=seed, in_flight=6, waits=True)
     assert len(tasks) == 60
     unreadable = RecordedEvent(
         stream_id="x",
@@ -1112,4 +1114,81 @@ async def test_a_fold_going_on_from_a_state_is_the_fold_of_the_whole_stream(seed
         "TaskCompleted",
         "TaskFailed",
         "TaskCancelled",
+        "SignalReceived",
     }, seen
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_the_simulated_log_has_every_kind_of_wait_and_the_pending_calls_agree(
+    seed: int,
+) -> None:
+    """What the projection tests and the rebuild benchmark replay (``events/simulation.py``)
+    holds every kind of wait and what ends it, and the store's pending calls (the sweeper's
+    view) are exactly each task's open waits."""
+    store = InMemoryEventStore()
+    tasks = await simulate(store, tasks=400, writers=8, seed=seed, leave_paused=0.15, waits=True)
+    seen: set[str] = set()
+    for task in tasks:
+        stream = await store.read_stream(task.task_id)
+        state = fold(task.task_id, stream)
+        open_waits = {c.subtask_id: c.deadline_at for c in state.outstanding}
+        assert await store.pending_call_deadlines(task.task_id) == (
+            open_waits if state.status == "paused" else {}
+        )
+        seen.update(_what_the_stream_shows(stream))
+    assert seen == {
+        "call wait",
+        "signal wait",
+        "timer wait",
+        "a pause on a signal alone",
+        "a signal taken by its open wait",
+        "a kept signal taken by the pause that waits for it",
+        "a signal refused",
+        "a signal's wait timed out",
+        "a timer fired",
+        "a first-k resume abandoning waits",
+        "a late reply to an abandoned wait",
+        "a cancel while paused naming no call",
+    }
+
+
+def _what_the_stream_shows(stream: list[RecordedEvent]) -> set[str]:
+    shows: set[str] = set()
+    waits: dict[str, PendingCall] = {}
+    abandoned: set[str] = set()
+    paused_in: dict[int, int] = {}  # pause -> the transaction that recorded it
+    paused = False
+    before: DomainEvent | None = None
+    for recorded in stream:
+        event = parse(recorded)
+        if isinstance(event, TaskPaused):
+            waits |= {w.subtask_id: w for w in event.calls}
+            paused_in[event.pause] = recorded.tx_id
+            paused = True
+            shows.update(f"{w.kind} wait" for w in event.calls)
+            if [w.kind for w in event.calls] == ["signal"]:
+                shows.add("a pause on a signal alone")
+        elif isinstance(event, SubtaskClaimed) and waits[event.subtask_id].kind == "signal":
+            if event.message_id is None:
+                shows.add("a signal's wait timed out")
+            elif isinstance(before, SignalReceived):
+                shows.add("a signal taken by its open wait")
+            else:  # a signal kept before its wait: taken in the pause's own append
+                assert paused_in[event.pause] == recorded.tx_id, event
+                shows.add("a kept signal taken by the pause that waits for it")
+        elif isinstance(event, ResultRecorded) and waits[event.subtask_id].kind == "timer":
+            assert event.outcome == "ok"
+            shows.add("a timer fired")
+        elif isinstance(event, TaskResumed):
+            paused = False
+            abandoned |= {c.subtask_id for c in event.abandoned}
+            if event.abandoned:
+                shows.add("a first-k resume abandoning waits")
+        elif isinstance(event, ReplyIgnored) and event.subtask_id in abandoned:
+            shows.add("a late reply to an abandoned wait")
+        elif isinstance(event, SignalRefused):
+            shows.add("a signal refused")
+        elif isinstance(event, TaskCancelled) and paused and not event.pending:
+            shows.add("a cancel while paused naming no call")
+        before = event
+    return shows
