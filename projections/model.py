@@ -131,8 +131,10 @@ class FeedEvent:
     """A ``TaskPaused``'s ``FirstK`` (``until``), when it has one."""
     agent_version: str | None = None
     """A ``TaskPaused``'s agent version, when it records one."""
-    pending: int = 0
-    """A ``TaskCancelled``'s calls still pending (more than 0: it was cancelled while paused)."""
+    while_paused: bool = False
+    """For a ``TaskCancelled``: the task was paused (its latest pause had not resumed). Not
+    ``pending``, which names only the calls to cancel: a task paused on signals or timers alone
+    has none."""
     paused_at: datetime | None = None
     """For a ``TaskResumed``: when the pause it ends began."""
     call_agent: str | None = None
@@ -293,6 +295,6 @@ def fold_agent_stats(events: Iterable[FeedEvent]) -> dict[str, AgentCounts]:
         elif kind == "TaskCancelled":
             agent = of(event.task_agent)
             agent.cancelled += 1
-            if event.pending:
+            if event.while_paused:
                 agent.paused_now -= 1
     return counts

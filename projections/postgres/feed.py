@@ -45,8 +45,12 @@ _FEED = """
            END,
            CASE WHEN e.event_type = 'TaskPaused' THEN (e.data->>'until')::integer END,
            CASE WHEN e.event_type = 'TaskPaused' THEN e.data->>'agent_version' END,
-           CASE WHEN e.event_type = 'TaskCancelled'
-                THEN jsonb_array_length(e.data->'pending') ELSE 0 END,
+           CASE WHEN e.event_type = 'TaskCancelled' THEN
+                coalesce((SELECT q.event_type = 'TaskPaused' FROM events q
+                          WHERE q.stream_id = e.stream_id AND q.stream_version < e.stream_version
+                            AND q.event_type IN ('TaskPaused', 'TaskResumed')
+                          ORDER BY q.stream_version DESC LIMIT 1), false)
+                ELSE false END,
            p.recorded_at,
            p.call_agent
     FROM events e
@@ -127,7 +131,7 @@ def _feed_event(row: Any) -> FeedEvent:
         waits=open_waits(loads(row[10])) if row[10] is not None else None,
         first_k=row[11],
         agent_version=row[12],
-        pending=row[13],
+        while_paused=row[13],
         paused_at=row[14],
         call_agent=row[15],
     )

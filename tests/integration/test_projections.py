@@ -131,12 +131,15 @@ def _expected_stats(streams: dict[str, list[RecordedEvent]]) -> dict[str, AgentC
         agent = next((p.agent for _, p in parsed if isinstance(p, TaskStarted)), UNKNOWN_AGENT)
         paused_at: dict[int, Any] = {}
         call_agents: dict[str, str] = {}
+        paused = False
         for event, domain in parsed:
             if isinstance(domain, TaskPaused):
+                paused = True
                 stats[agent].paused_now += 1
                 paused_at[domain.pause] = event.recorded_at
                 call_agents |= {c.subtask_id: c.agent for c in domain.calls}
             elif isinstance(domain, TaskResumed):
+                paused = False
                 stats[agent].paused_now -= 1
                 stats[agent].pauses_resumed += 1
                 delta = event.recorded_at - paused_at[domain.pause]  # type: ignore[operator]
@@ -150,7 +153,9 @@ def _expected_stats(streams: dict[str, list[RecordedEvent]]) -> dict[str, AgentC
                 stats[agent].failed += 1
             elif isinstance(domain, TaskCancelled):
                 stats[agent].cancelled += 1
-                stats[agent].paused_now -= 1 if domain.pending else 0
+                # whether it was paused, not whether it named calls: a task paused on signals
+                # or timers alone has none to cancel
+                stats[agent].paused_now -= 1 if paused else 0
     return dict(stats)
 
 

@@ -75,10 +75,16 @@ def _feed(event: RecordedEvent, history: list[RecordedEvent]) -> FeedEvent:
         waits=open_waits(data["calls"]) if kind == "TaskPaused" else None,
         first_k=data.get("until") if kind == "TaskPaused" else None,
         agent_version=data.get("agent_version") if kind == "TaskPaused" else None,
-        pending=len(data.get("pending", ())) if kind == "TaskCancelled" else 0,
+        while_paused=kind == "TaskCancelled" and _paused(history),
         paused_at=_moment(paused) if paused is not None and kind == "TaskResumed" else None,
         call_agent=None,
     )
+
+
+def _paused(history: list[RecordedEvent]) -> bool:
+    """Whether the latest pause of a stream had not resumed (``FeedEvent.while_paused``)."""
+    ends = (e.event_type for e in reversed(history))
+    return next((t for t in ends if t in ("TaskPaused", "TaskResumed")), None) == "TaskPaused"
 
 
 def apply_feed(
