@@ -374,7 +374,14 @@ class TaskState:
 
     @property
     def outstanding(self) -> tuple[PendingCall, ...]:
-        """Calls of the latest pause that have no claim yet."""
+        """Waits of the latest pause that have no claim yet, and that a ``FirstK`` resume did
+        not give up."""
+        if self.abandoned:
+            return tuple(
+                call
+                for call in self.calls
+                if call.subtask_id not in self.claims and call.subtask_id not in self.abandoned
+            )
         return tuple(call for call in self.calls if call.subtask_id not in self.claims)
 
     def results_of_pause(self) -> list[CallResult]:

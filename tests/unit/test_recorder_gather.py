@@ -216,5 +216,5 @@ def test_a_reply_gathers_only_for_the_replies_its_pause_can_still_take() -> None
     one_ok = _replied(three, 0, "ok")
     assert replies_awaited(one_ok) == 1
     resumed = _replied(one_ok, 1, "ok")
-    assert resumed.status == "resumed" and resumed.outstanding
+    assert resumed.status == "resumed" and resumed.abandoned
     assert replies_awaited(resumed) == 0

@@ -586,6 +586,7 @@ def test_first_k_resumes_on_the_kth_success_and_abandons_the_open_waits() -> Non
     ]
     state = log.state()
     assert state.status == "resumed" and state.abandoned == {"t:1:2"}
+    assert state.outstanding == ()  # a wait given up is no longer waited for
     assert log.pending() == {}  # the abandoned wait's row went with the resume
     projection_agrees(log)
     # results in wait order, the abandoned one cancelled
