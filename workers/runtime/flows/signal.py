@@ -52,7 +52,7 @@ async def handle_signal(steps: Steps, delivery: Delivery, spec: AgentSpec, body:
     invalid = _invalid(spec.signals.get(name), payload)
 
     def decide(state: TaskState) -> list[Any]:
-        if state.exists and state.agent != spec.name:
+        if _foreign(state, spec):
             return []
         return decide_signal(
             state, name, payload, signal_id=signal_id, sender=delivery.user_id, invalid=invalid
@@ -94,6 +94,13 @@ def _shape_problem(delivery: Delivery, body: Any) -> str | None:
     if set(body) - {"task_id", "name", "payload"}:
         return f"{SIGNAL_SHAPE}; unknown keys {sorted(set(body) - {'task_id', 'name', 'payload'})}"
     return None
+
+
+def _foreign(state: TaskState, spec: AgentSpec) -> bool:
+    """Whether the task is another agent's. A stream that holds only a cancel (the task was
+    cancelled before its first run recorded anything) names no agent: it is nobody's, and a
+    signal for it is refused as for any finished task."""
+    return state.exists and state.agent is not None and state.agent != spec.name
 
 
 def _invalid(model: type[BaseModel] | None, payload: Any) -> str | None:
@@ -145,7 +152,7 @@ def _answer(
             f"no task {state.task_id!r} in the log: it has not paused yet, finished without "
             "waiting (G10), or never was; a signal reaches a task that has paused",
         )
-    if state.agent != spec.name:
+    if _foreign(state, spec):
         return _Answer(
             "wrong-agent",
             f"task {state.task_id!r} is a task of agent {state.agent!r}; send its signals to "
@@ -155,17 +162,26 @@ def _answer(
     if received is None:
         if signal_id in state.signals:
             return _Answer("duplicate")
-        # refused, but the stream holds as many refusals as it may: not recorded
-        return _Answer("refused", invalid or f"task {state.task_id!r} is {state.status}")
-    if isinstance(received, SignalRefused):
-        messages = {
-            "finished": f"task {state.task_id!r} has {state.status}; nothing waits for it",
-            "invalid": invalid,
-            "too-many": f"task {state.task_id!r} keeps as many signals no wait took as it may",
-        }
-        return _Answer(
-            "invalid" if received.reason == "invalid" else "undeliverable",
-            messages[received.reason],
+        # refused and not recorded now: a copy of a signal whose refusal the stream holds (its
+        # id made the same events, recognised), or a refusal past the number the stream may
+        # hold; its sender hears the refusal, as the first copy's sender did
+        return _refusal(
+            state, "finished" if state.finished else "invalid" if invalid else "too-many", invalid
         )
+    if isinstance(received, SignalRefused):
+        return _refusal(state, received.reason, invalid)
     taken = len(events) > 1
     return _Answer("taken" if taken else "kept", None if taken else f"no wait on {name!r} yet")
+
+
+def _refusal(state: TaskState, reason: str, invalid: str | None) -> _Answer:
+    """The answer to a signal refused for ``reason`` (``SignalRefused.reason``)."""
+    if reason == "invalid":
+        return _Answer("invalid", invalid)
+    if reason == "finished":
+        return _Answer(
+            "undeliverable", f"task {state.task_id!r} has {state.status}; nothing waits for it"
+        )
+    return _Answer(
+        "undeliverable", f"task {state.task_id!r} keeps as many signals no wait took as it may"
+    )
