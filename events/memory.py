@@ -130,7 +130,9 @@ class InMemoryEventStore(EventStore):
         )
 
     def _follow_pending_calls(self, recorded: list[RecordedEvent]) -> None:
-        """The same rules as the PostgreSQL trigger (migrations/versions/0002 and 0008)."""
+        """The same rules as the PostgreSQL trigger (migrations/versions/0008), in one pass in
+        append order: a ``FirstK`` resume that gives up its pause's waits, then the next pause
+        of a run in place, in one append, leave that pause's waits."""
         for event in recorded:
             data = event.data
             if event.event_type == "TaskPaused":
@@ -146,9 +148,7 @@ class InMemoryEventStore(EventStore):
                             call.get("kind", "call"),
                         ],
                     )
-        for event in recorded:
-            data = event.data
-            if event.event_type == "SubtaskClaimed":
+            elif event.event_type == "SubtaskClaimed":
                 self._pending.pop(event.data["subtask_id"], None)
             elif event.event_type == "DeadlineExtended":
                 entry = self._pending.get(event.data["subtask_id"])
