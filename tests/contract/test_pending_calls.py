@@ -313,6 +313,33 @@ class PendingCallsContract:
         }
         assert [c.subtask_id for c in await claim_all_of_mine(store, tasks)] == [f"{task_id}:2:0"]
 
+    async def test_a_first_k_resume_and_the_next_pause_in_one_append_list_the_next_pause(
+        self, store: EventStore, tasks: Tasks
+    ) -> None:
+        """A ``FirstK`` pause resumed in place: the resume gives up the open waits of its pause
+        and the run's next pause follows in the same append; the rules apply in append order,
+        so the next pause's waits stay. (In memory, the removals once came after every insert
+        and took them too: the task waited for ever. Found by the simulation, issue 31.)"""
+        task_id = await tasks.paused([FUTURE, FUTURE])
+        await tasks.append(
+            task_id,
+            [
+                SubtaskClaimed(subtask_id=f"{task_id}:1:0", pause=1),
+                ResultRecorded(subtask_id=f"{task_id}:1:0", pause=1, outcome="ok"),
+                TaskResumed(
+                    pause=1,
+                    abandoned=(CancelledCall(subtask_id=f"{task_id}:1:1", agent="peer"),),
+                ),
+                pause(task_id, 2, [PAST, FUTURE]),
+            ],
+            f"reply:{task_id}:1:0",
+        )
+        assert set(await store.pending_call_deadlines(task_id)) == {
+            f"{task_id}:2:0",
+            f"{task_id}:2:1",
+        }
+        assert [c.subtask_id for c in await claim_all_of_mine(store, tasks)] == [f"{task_id}:2:0"]
+
     async def test_an_extension_moves_a_deadline_and_frees_a_leased_call(
         self, store: EventStore, tasks: Tasks
     ) -> None:
@@ -485,7 +512,8 @@ class TestPostgresPendingCalls(PendingCallsContract):
     async def test_a_pause_and_a_claim_in_one_statement_leave_the_claimed_call_out(
         self, store: PostgresEventStore, tasks: Tasks
     ) -> None:
-        """The trigger sees a whole statement: inserts first, then removals, as in memory."""
+        """The trigger sees a whole statement, and applies its events in append order, as the
+        store in memory does: the claim after the pause removes the claimed call."""
         task_id = tasks.new_id()
         await tasks.append(
             task_id,

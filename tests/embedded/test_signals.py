@@ -13,11 +13,16 @@ from pydantic import BaseModel
 from waystation import App, Complete, Outcome, Pause, Signal, TaskContext
 from waystation.client import SignalNotApplied
 from waystation.events import (
+    GENESIS_HASH,
+    NewEvent,
     SignalReceived,
     SignalRefused,
     SubtaskClaimed,
     TaskPaused,
     TaskResumed,
+    TaskState,
+    decide_cancel,
+    event_id,
     fold,
     parse,
 )
@@ -168,6 +173,58 @@ async def test_a_signal_for_a_finished_task_is_refused_and_recorded() -> None:
         with pytest.raises(SignalNotApplied) as elsewhere:
             await pool.signal(task_id, "approval", {"approved": True}, agent="twice")
         assert elsewhere.value.status == "wrong-agent"
+        events = await events_of(pool, task_id)
+    assert [e.reason for e in events if isinstance(e, SignalRefused)] == ["finished"]
+
+
+async def test_a_copy_of_a_refused_signal_hears_the_same_refusal() -> None:
+    """A signal sent again under its id (its sender did not hear, or the broker redelivered it)
+    after it was refused is answered as the first copy was, never with a status the wire
+    format does not have (it was ``refused``). (Found by the simulation, issue 31 item 6.)"""
+    async with InMemoryPool(drafting_app()) as pool:
+        task_id = await pool.submit("drafter", {})
+        await paused(pool, task_id)
+        for _ in range(2):
+            with pytest.raises(SignalNotApplied) as invalid:
+                await pool.signal(
+                    task_id, "approval", {"approved": "perhaps"}, agent="drafter", signal_id="s-1"
+                )
+            assert invalid.value.status == "invalid"
+            assert "approved" in invalid.value.message
+        await pool.signal(task_id, "approval", {"approved": True}, agent="drafter")
+        await pool.result(task_id)
+        for _ in range(2):
+            with pytest.raises(SignalNotApplied) as late:
+                await pool.signal(
+                    task_id, "approval", {"approved": True}, agent="drafter", signal_id="s-2"
+                )
+            assert late.value.status == "undeliverable"
+            assert "completed" in late.value.message
+        events = await events_of(pool, task_id)
+    assert [(e.signal_id, e.reason) for e in events if isinstance(e, SignalRefused)] == [
+        ("s-1", "invalid"),
+        ("s-2", "finished"),
+    ]
+
+
+async def test_a_signal_for_a_task_cancelled_before_its_first_run_is_refused_as_finished() -> None:
+    """A task cancelled before its first run recorded anything has a stream of its cancel alone,
+    which names no agent: a signal for it is refused (the task has finished) and recorded, not
+    answered ``wrong-agent`` naming agent None. (Found by the simulation, issue 31 item 6.)"""
+    async with InMemoryPool(drafting_app()) as pool:
+        # the log as the cancel flow leaves it for a task it found no stream of
+        task_id = "cancelled-first"
+        (cancelled,) = decide_cancel(TaskState(task_id), "changed my mind")
+        await pool.store.append(
+            task_id,
+            0,
+            [NewEvent.of(event_id(task_id, f"cancel:{task_id}", 0), cancelled, {})],
+            prev_hash=GENESIS_HASH,
+        )
+        with pytest.raises(SignalNotApplied) as late:
+            await pool.signal(task_id, "approval", {"approved": True}, agent="drafter")
+        assert late.value.status == "undeliverable"
+        assert "cancelled" in late.value.message
         events = await events_of(pool, task_id)
     assert [e.reason for e in events if isinstance(e, SignalRefused)] == ["finished"]
 

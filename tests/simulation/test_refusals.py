@@ -7,38 +7,24 @@ whole runs.)"""
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections import defaultdict
 from collections.abc import Callable
 
 from scripts.lab.simulation import refusals
 from scripts.lab.simulation.faults import Refused
 from scripts.lab.simulation.reality import hostile_tag
-from scripts.lab.simulation.scenario import Scenario
-from scripts.lab.simulation.world import Observed, run
-from waystation.events import RecordedEvent
+from scripts.lab.simulation.world import Observed
+
+from .support import first_run, streams_of
 
 SEEDS = range(200)
 
 
-@functools.cache
-def _observed(seed: int) -> Observed:
-    return run(Scenario.generate(seed))
-
-
 def _first(wanted: Callable[[Observed], bool]) -> Observed:
-    for seed in SEEDS:
-        observed = _observed(seed)
-        if wanted(observed):
-            return observed
-    raise AssertionError("no seed shows it: widen SEEDS")
+    return first_run(wanted, SEEDS)
 
 
 def _problems(observed: Observed) -> list[str]:
-    streams: dict[str, list[RecordedEvent]] = defaultdict(list)
-    for event in observed.log:
-        streams[event.stream_id].append(event)
-    return refusals.problems(observed, streams)
+    return refusals.problems(observed, streams_of(observed))
 
 
 def _with_chronicle(observed: Observed, **changes: object) -> Observed:

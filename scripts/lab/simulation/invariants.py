@@ -36,7 +36,7 @@ from waystation.protocol.wire import HEADER_ATTEMPTS
 from waystation.runtime.outbox import REFUSED_BACKOFF
 from waystation.runtime.sweeper import SWEEP_LEASE
 
-from . import reality, refusals
+from . import reality, refusals, waits
 from .loop import EPOCH
 from .scenario import REFUSED_RETRY, TaskSpec
 from .world import RESULTS, SETTLE_BOUND, Observed
@@ -48,6 +48,8 @@ sweep intervals."""
 __all__ = ["apply_feed", "problems"]
 
 _TERMINAL = {"TaskCompleted": "ok", "TaskFailed": "error", "TaskCancelled": "cancelled"}
+_AUDIT_ONLY = ("ReplyIgnored", "SignalRefused")
+"""Events recorded for audit, even after a task's end: they decide nothing."""
 
 
 def _moment(event: RecordedEvent) -> datetime:
@@ -141,8 +143,12 @@ def problems(observed: Observed) -> list[str]:
     found.extend(_worker_problems(observed, streams))
     found.extend(_timeout_problems(observed, streams))
     for stream_id, events in streams.items():
-        found.extend(f"{stream_id}: {p.kind}: {p.message}" for p in verify_stream(events))
-        decisive = [e for e in events if e.event_type != "ReplyIgnored"]
+        found.extend(
+            f"{stream_id}: {p.kind}: {p.message}"
+            for p in verify_stream(events)
+            if not waits.first_k_resume(p, events)
+        )
+        decisive = [e for e in events if e.event_type not in _AUDIT_ONLY]
         if decisive and decisive[-1].event_type not in _TERMINAL:
             state = fold(stream_id, events)
             found.append(f"{stream_id}: left {state.status} at pause {state.pause}")
@@ -150,6 +156,7 @@ def problems(observed: Observed) -> list[str]:
     found.extend(_projection_problems(observed, streams))
     found.extend(reality.problems(observed, streams))
     found.extend(refusals.problems(observed, streams))
+    found.extend(waits.problems(observed, streams))
     return found
 
 

@@ -1,7 +1,8 @@
 """Each defect of issue 11 put back, one at a time, to check that the simulation catches it; and
 defects only the world-against-log invariants (``.reality``) can see: a reply
 lost between the broker and the log, an ack before its effect, requests published before their
-pause, cancels naming the wrong calls.
+pause, cancels naming the wrong calls; and defects of the waits beyond peer calls (issue 31): a
+signal consumed twice, a timer fired twice.
 
 A mutation undoes one fix by patching the code that made it (nothing else changes), for as long
 as the ``mutated`` block runs; one of the second kind patches a plausible bug in instead.
@@ -20,8 +21,8 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import waystation.brokers.port
+import waystation.events.memory
 import waystation.events.task
-import waystation.runtime.combining
 import waystation.runtime.flows
 import waystation.runtime.flows.base
 import waystation.runtime.flows.cancel
@@ -44,6 +45,7 @@ from waystation.events import (
     ReplyIgnored,
     ResultRecorded,
     TaskCancelled,
+    TaskPaused,
     TaskResumed,
     TaskState,
     decide_cancel,
@@ -54,6 +56,7 @@ from waystation.events import (
     parse_subtask_id,
 )
 from waystation.events.chain import recorded_events
+from waystation.events.model import RecordedEvent
 from waystation.protocol.intake import Rejection
 from waystation.protocol.wire import TYPE_CANCEL, TYPE_TASK, implied_messages
 from waystation.runtime.flows.base import Steps, error_of, resume_context
@@ -361,6 +364,83 @@ async def _resume_in_place_handing_every_failure_over(
     )
 
 
+async def _copy_taken_for_current(
+    self: waystation.runtime.recorder.Recorder, task_id: str, copy: list[RecordedEvent]
+) -> list[RecordedEvent] | None:
+    """A worker's cached copy of a stream taken for current without asking the log."""
+    return None
+
+
+def _kept_signal_taken_by_every_wait(state: TaskState, pause: TaskPaused) -> list[DomainEvent]:
+    """A new pause's signal waits each take the oldest signal the task keeps under their name,
+    the one a wait before took too (what it took is not counted): one signal, two claims."""
+    task = waystation.events.task
+    events: list[DomainEvent] = []
+    paused = dataclasses.replace(
+        state, status="paused", pause=pause.pause, calls=pause.calls, until=pause.until
+    )
+    for wait in pause.calls:
+        kept = [k for k in state.kept if state.signals[k].name == wait.name]
+        if wait.kind != "signal" or not kept:
+            continue
+        payload = state.signals[kept[0]].payload
+        events.extend(task._claim(paused, wait.subtask_id, "ok", payload, kept[0]))
+        if isinstance(events[-1], TaskResumed):
+            break
+        paused = task._after_claim(paused, wait.subtask_id, kept[0], "ok")
+    return events
+
+
+def _timer_fires_whatever_claimed_it(
+    state: TaskState, subtask: str, *, now: float
+) -> list[DomainEvent]:
+    """``decide_timeout`` firing a due timer of the pause that waits, claimed or not."""
+    call = next((c for c in state.calls if c.subtask_id == subtask), None)
+    if call is None or call.kind != "timer" or state.status != "paused" or call.deadline_at > now:
+        return decide_timeout(state, subtask, now=now)
+    return waystation.events.task._claim(state, subtask, "ok")
+
+
+async def _timeout_keyed_by_its_sweep(
+    self: waystation.runtime.sweeper.DeadlineSweeper, call: ExpiredCall
+) -> None:
+    """A deadline's decision keyed by the sweep that found it (``call.now``), not by its wait:
+    a second sweep's decision is not recognised as the same one."""
+    with self.publishing.collecting() as committed:
+        await self.recorder.append_decision(
+            call.task_id,
+            lambda state: waystation.runtime.sweeper.decide_timeout(
+                state, call.subtask_id, now=call.now or self.clock()
+            ),
+            key=lambda _: f"timeout:{call.subtask_id}:{call.now}",
+            cause=Cause(message_id=f"deadline:{call.subtask_id}"),
+            step="timeout",
+        )
+    await self.publishing.publish(committed)
+
+
+_follow_pending_calls = waystation.events.memory.InMemoryEventStore._follow_pending_calls
+
+
+def _fired_timers_stay_pending(
+    self: waystation.events.memory.InMemoryEventStore, recorded: list[RecordedEvent]
+) -> None:
+    """The pending waits forgetting a claimed wait only when it is a call or a signal's: a
+    fired timer stays, offered to the sweepers again each time its lease runs out."""
+    timers = {wait: entry for wait, entry in self._pending.items() if entry[5] == "timer"}
+    _follow_pending_calls(self, recorded)
+    ended = {
+        e.stream_id
+        for e in recorded
+        if e.event_type in ("TaskCompleted", "TaskFailed", "TaskCancelled")
+    }
+    for wait, entry in timers.items():
+        if entry[0] not in ended and any(
+            e.event_type == "SubtaskClaimed" and e.data["subtask_id"] == wait for e in recorded
+        ):
+            self._pending[wait] = entry
+
+
 MUTATIONS: dict[str, list[Patch]] = {
     # an outcome the log cannot store reached the commit
     "unstorable-outcome": [(waystation.events.task, "_require_storable", lambda value, what: None)],
@@ -368,11 +448,11 @@ MUTATIONS: dict[str, list[Patch]] = {
     "cancel-before-first-run": [
         (waystation.runtime.flows.base.Steps, "answer_cancelled_before_start", _tell_nobody)
     ],
-    # a handler ran in place on a stale copy of its stream
-    "stale-cache": [
-        (waystation.runtime.recorder, "resumes", lambda events: False),
-        (waystation.runtime.combining, "resumes", lambda events: False),
-    ],
+    # a handler ran in place on a stale copy of its stream (and a timeout that the copy found
+    # nothing to do for was dropped): the copy a worker cached taken for current, never checked
+    # against the log. (Putting back ``resumes`` as always False, as this once did, turns resume
+    # in place off altogether; only one seed in 6,000 failed with it.)
+    "stale-cache": [(waystation.runtime.recorder.Recorder, "_newer", _copy_taken_for_current)],
     # an answer to a queue that is gone failed the flow, which re-ran the handler
     "unroutable-answer": [(waystation.runtime.settle.Settler, "answer", _answer_by_plain_publish)],
     # attempts counted by the broker's x-delivery-count, retries by requeueing
@@ -461,6 +541,23 @@ MUTATIONS: dict[str, list[Patch]] = {
             waystation.runtime.flows.reply,
             "run_in_place",
             _resume_in_place_handing_every_failure_over,
+        ),
+    ],
+    # issue 31: a signal the task kept taken by two waits of the pause that takes it
+    "signal-consumed-twice": [
+        (waystation.events.task, "_take_kept_signals", _kept_signal_taken_by_every_wait)
+    ],
+    # issue 31: a timer fired again once its lease ran out, whatever claimed it. Each of the three
+    # keeps a timer from firing twice on its own: decide_timeout's claim check, the pending wait
+    # forgotten with its claim, and the decision's id keyed by the wait (a second decision is
+    # recognised as the same one), so the three are put back together
+    "timer-fires-twice": [
+        (waystation.runtime.sweeper, "decide_timeout", _timer_fires_whatever_claimed_it),
+        (waystation.runtime.sweeper.DeadlineSweeper, "record_timeout", _timeout_keyed_by_its_sweep),
+        (
+            waystation.events.memory.InMemoryEventStore,
+            "_follow_pending_calls",
+            _fired_timers_stay_pending,
         ),
     ],
 }

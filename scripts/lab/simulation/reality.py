@@ -19,11 +19,13 @@ the order they happened: ``.faults.Chronicle``). :func:`problems` requires:
 2. every peer request a worker published was published after the pause that makes the call
    committed (G5), and every call of a committed pause was published to its peer's queue (G4);
 3. a cancel names exactly the calls still outstanding when it commits (``TaskCancelled.pending``),
-   and each of them, and each call timed out, gets a cancel message (``<subtask>:cancel``) to its
-   peer's queue after that commit (G6, G7); no worker sends a cancel nothing committed implies;
+   and each of them, each call timed out and each call a ``FirstK`` pause gave up when it
+   resumed (``TaskResumed.abandoned``) gets a cancel message (``<subtask>:cancel``) to its
+   peer's queue after that commit (G6, G7); no worker sends a cancel nothing committed implies
+   (a signal's wait and a timer have no peer: they are never cancelled);
 4. an ignored reply says why truly: ``duplicate`` when another reply claimed the call, ``late``
-   when its deadline did or the task had finished; never ``unknown-call``, since every reply in
-   this world answers a call the log already holds (G5);
+   when its deadline did, the task had finished or its pause had given it up; never
+   ``unknown-call``, since every reply in this world answers a call the log already holds (G5);
 5. every dead letter's reason is one the scenario can produce for its kind of message
    (:func:`_allowed`), and every call's error is one its peers can give;
 6. every delivery a worker acked had its effect recorded before the ack (G1): a reply its claim
@@ -31,8 +33,12 @@ the order they happened: ``.faults.Chronicle``). :func:`problems` requires:
    nothing, G10) its result published; a resume the outcome of the resumed run; a cancel the
    task's end, and its answer published; or, for any, the copy sent back for a retry, or the
    dead letter published with what it implies (a handler failed for good: its task ended; an
-   unstorable reply: its call failed). (A progress report that extends no deadline writes
-   nothing, by design: it is not checked.)
+   unstorable reply: its call failed); a signal its record (``SignalReceived``,
+   ``SignalRefused``) or its answer to its sender. (A progress report that extends no deadline
+   writes nothing, by design: it is not checked.)
+
+Only peer calls have requests, replies and cancels: the waits for signals and timers of a pause
+(issue 31) are left out of 1 to 4, and held against what happened by ``.waits``.
 """
 
 from __future__ import annotations
@@ -55,15 +61,17 @@ from waystation.protocol.wire import (
     TYPE_PROGRESS,
     TYPE_RESULT,
     TYPE_RESUME,
+    TYPE_SIGNAL,
     TYPE_TASK,
     Names,
+    derived_id,
 )
 from waystation.runtime.verdicts import crash_limit
 
 from .faults import Acked, Sent
 from .loop import EPOCH
 from .scenario import MAX_MESSAGE, TaskSpec
-from .world import CANCELS, FULL, GONE, PREFIX, RESULTS, Observed
+from .world import CANCELS, FULL, GONE, PREFIX, RESULTS, SIGNALS, Observed
 
 __all__ = ["problems"]
 
@@ -100,9 +108,11 @@ class _Moment:
 
     status: str = "new"
     calls: dict[str, str] = field(default_factory=dict)
-    """The current pause's calls, in call order: sub-task to peer."""
+    """The current pause's peer calls, in call order: sub-task to peer."""
     claims: dict[str, str | None] = field(default_factory=dict)
     """Every claimed sub-task to the message id of the reply that claimed it (None: a timeout)."""
+    abandoned: set[str] = field(default_factory=set)
+    """Every wait a ``FirstK`` pause gave up when it resumed."""
 
     def outstanding(self) -> list[tuple[str, str]]:
         if self.status != "paused":
@@ -115,11 +125,16 @@ class _Moment:
             self.status = "running"
         elif kind == "TaskPaused":
             self.status = "paused"
-            self.calls = {c["subtask_id"]: c["agent"] for c in data["calls"]}
+            self.calls = {
+                c["subtask_id"]: c["agent"]
+                for c in data["calls"]
+                if c.get("kind", "call") == "call"
+            }
         elif kind == "SubtaskClaimed":
             self.claims[data["subtask_id"]] = data.get("message_id")
         elif kind == "TaskResumed":
             self.status = "resumed"
+            self.abandoned.update(c["subtask_id"] for c in data.get("abandoned", ()))
         elif kind in _TERMINAL:
             self.status = "finished"
 
@@ -152,7 +167,7 @@ class _World:
         self.recorded: dict[tuple[str, str | None], int] = {}
         """(sub-task, message id) of each claim and ignored reply, to when it committed."""
         self.calls: dict[str, tuple[RecordedEvent, str]] = {}
-        """Each sub-task of a committed pause, to that pause and the call's peer."""
+        """Each peer call of a committed pause, to that pause and the call's peer."""
         self.deadlines: dict[str, float] = {}
         self.timed_out: set[str] = set()
         for events in streams.values():
@@ -163,7 +178,8 @@ class _World:
                     self.recorded.setdefault(key, self.committed(event))
                 elif event.event_type == "TaskPaused":
                     for call in data["calls"]:
-                        self.calls[call["subtask_id"]] = (event, call["agent"])
+                        if call.get("kind", "call") == "call":
+                            self.calls[call["subtask_id"]] = (event, call["agent"])
                         self.deadlines[call["subtask_id"]] = call["deadline_at"]
                 elif event.event_type == "DeadlineExtended":
                     self.deadlines[data["subtask_id"]] = data["deadline_at"]
@@ -185,6 +201,14 @@ class _World:
         """Publishes of ``message_id`` that reached the broker before ``seq``, with ``where``:
         ``exchange``, ``routing_key``, ``type``."""
         return [s for s in self.sent.get(message_id, ()) if s.seq < seq and _is(s, where)]
+
+    def refused_before(self, message_id: str, seq: int) -> list[Any]:
+        """Publishes of ``message_id`` the broker refused before ``seq``."""
+        return [
+            r
+            for r in self.observed.chronicle.refused
+            if r.message.message_id == message_id and r.seq < seq
+        ]
 
     def dead_at_the_limit(self, message_id: str | None, queue: str) -> bool:
         """Whether ``message_id`` of ``queue`` was dead-lettered at the delivery limit (by a
@@ -215,18 +239,19 @@ def _is(sent: Sent, where: dict[str, Any]) -> bool:
 
 def _kind(message_type: str | None, queue: str, world: _World, message_id: str | None) -> str:
     """What a message is, from its type and the queue it came from: ``task`` (a publisher's),
-    ``request`` (a peer request), ``resume``, ``cancel``, ``reply``, ``progress``, ``answer``
-    (to a publisher's queue) or ``other``."""
+    ``request`` (a peer request), ``resume``, ``cancel``, ``signal``, ``reply``, ``progress``,
+    ``answer`` (to a publisher's queue, a signal's sender's among them) or ``other``."""
     if world.is_reply_queue(queue):
         message_type = message_type or TYPE_RESULT
         return {TYPE_RESULT: "reply", TYPE_PROGRESS: "progress"}.get(message_type, "other")
-    if queue in (RESULTS, CANCELS, GONE) or queue.startswith(FULL):
+    if queue in (RESULTS, CANCELS, GONE, SIGNALS) or queue.startswith(FULL):
         return "answer"
     if queue in world.task_queues:
         message_type = message_type or TYPE_TASK
         if message_type == TYPE_TASK:
             return "request" if _subtask(message_id) else "task"
-        return {TYPE_RESUME: "resume", TYPE_CANCEL: "cancel"}.get(message_type, "other")
+        kinds = {TYPE_RESUME: "resume", TYPE_CANCEL: "cancel", TYPE_SIGNAL: "signal"}
+        return kinds.get(message_type, "other")
     return "other"
 
 
@@ -281,6 +306,8 @@ def _replies_end_in_the_log(world: _World) -> list[str]:
             f"({when}) and is not in the log (no claim, no ReplyIgnored){timed_out}"
         )
     for subtask, message_id in world.recorded:
+        if subtask not in world.calls:
+            continue  # a signal's wait, claimed by its signal (``.waits``)
         if message_id is not None and (subtask, message_id) not in replies:
             found.append(f"{subtask}: the log records reply {message_id}, which nobody sent")
     return found
@@ -339,7 +366,12 @@ def _cancels_name_the_outstanding_calls(world: _World) -> list[str]:
                 for subtask, _ in named:
                     causes.setdefault(subtask, world.committed(event))
             elif event.event_type == "ResultRecorded" and event.data["outcome"] == "timeout":
-                causes.setdefault(event.data["subtask_id"], world.committed(event))
+                if event.data["subtask_id"] in world.calls:
+                    causes.setdefault(event.data["subtask_id"], world.committed(event))
+            elif event.event_type == "TaskResumed":
+                for given_up in event.data.get("abandoned", ()):
+                    if given_up["subtask_id"] in world.calls:
+                        causes.setdefault(given_up["subtask_id"], world.committed(event))
     for subtask, seq in causes.items():
         agent = world.calls[subtask][1] if subtask in world.calls else None
         cancels = [
@@ -382,7 +414,7 @@ def _ignored_replies_say_why(world: _World) -> list[str]:
                 expected = "late" if claimer is None else "duplicate"
                 if claimer is not None and claimer == message_id:
                     found.append(f"{subtask}: reply {message_id} ignored, and it is the claim")
-            elif moment.status == "finished":
+            elif moment.status == "finished" or subtask in moment.abandoned:
                 expected = "late"
             else:
                 expected = "a claim"
@@ -425,13 +457,16 @@ def _allowed(world: _World, letter: StoredMessage, kind: str, queue: str) -> str
 
     * at the delivery limit, any kind a worker consumes: by the broker (``delivery_limit``) past
       its limit (one above the crash limit), by a worker (``delivery-limit``: replies, progress
-      reports and cancels; ``handler-failed`` with ``DeliveryLimitReached``: tasks, requests and
-      resumes) past the crash limit, when its workers died (or lost their connection) holding it;
+      reports, cancels and signals; ``handler-failed`` with ``DeliveryLimitReached``: tasks,
+      requests and resumes) past the crash limit, when its workers died (or lost their
+      connection) holding it;
     * ``handler-failed``: a task or resume whose handler raises (``fails``: every run of a
       researcher's, and an orchestrator's when handler faults are on) or returns an outcome no
       log can store (``bad``); a peer request never (its input asks for neither);
     * ``unroutable`` never: an answer to a publisher that is gone is counted as undelivered
       (``results_undelivered``), not dead-lettered;
+    * ``refused``: an answer to a publisher's queue that stayed full longer than the workers try,
+      or a signal's answer the broker nacked each time a worker tried it in place (``refuse``);
     * ``unstorable``: a reply whose body the log cannot store (the plain peer's errors with a
       NUL; its call fails at once, recorded before the ack: :func:`_missing_effect`);
     * nothing else: no input here is malformed, oversized, or for an unknown task (a reply to
@@ -440,7 +475,7 @@ def _allowed(world: _World, letter: StoredMessage, kind: str, queue: str) -> str
     headers = letter.headers
     returns = _count(headers)
     crashes = crash_limit(world.limit)
-    consumed = kind in ("task", "request", "resume", "cancel", "reply", "progress")
+    consumed = kind in ("task", "request", "resume", "cancel", "signal", "reply", "progress")
     reason = headers.get(HEADER_REASON)
     if hostile_tag(letter.body) in world.observed.hostile_sent:
         if reason in HOSTILE_REASONS:
@@ -451,6 +486,8 @@ def _allowed(world: _World, letter: StoredMessage, kind: str, queue: str) -> str
         spec = world.specs.get(str(letter.properties.get("correlation_id")))
         if reason == "refused" and spec is not None and queue.startswith(FULL):
             return None  # its publisher let its queue stay full longer than the workers try
+        if reason == "refused" and queue == SIGNALS and world.scenario.nack_rate > 0:
+            return None  # a signal's answer the broker nacked each time it was tried in place
         limit = world.scenario.broker_max_bytes
         if reason == "too-large" and spec is not None and limit and spec.big > limit:
             return None  # a result the workers may send and the broker refuses
@@ -460,7 +497,7 @@ def _allowed(world: _World, letter: StoredMessage, kind: str, queue: str) -> str
         return f"the broker's delivery limit, taken back {returns} times"
     detail = str(headers.get("x-waystation-detail", ""))
     if reason == "delivery-limit":
-        if kind in ("cancel", "reply", "progress") and returns > crashes:
+        if kind in ("cancel", "signal", "reply", "progress") and returns > crashes:
             return None
         return f"delivery-limit, taken back {returns} times"
     if reason == "handler-failed" and kind in ("task", "request", "resume"):
@@ -562,6 +599,18 @@ def _missing_effect(world: _World, acked: Acked, kind: str) -> str | None:
             if event.event_type == "TaskResumed" and event.data["pause"] == pause:
                 after = True
         return f"the run resumed from pause {pause} of {task_id} was recorded"
+    if kind == "signal":
+        recorded = any(
+            e.event_type in ("SignalReceived", "SignalRefused")
+            and e.data["signal_id"] == message_id
+            and world.committed(e) < seq
+            for e in events
+        )
+        answer = derived_id(derived_id(message_id, ":signal"), ":result")
+        tried = [*world.sent_before(answer, seq), *world.refused_before(answer, seq)]
+        if recorded or tried:
+            return None
+        return "its record (SignalReceived, SignalRefused) committed or its answer was published"
     if kind == "cancel":
         if not any(e.event_type in _TERMINAL and world.committed(e) < seq for e in events):
             return f"{task_id}'s end (its cancel, or what finished it) committed"
@@ -572,8 +621,8 @@ def _missing_effect(world: _World, acked: Acked, kind: str) -> str | None:
 
 def _task_id(delivery: Delivery, kind: str) -> str:
     """The task a delivery is about: its own id (a task, a request), or the one its body names
-    (a resume, a cancel)."""
-    if kind in ("resume", "cancel"):
+    (a resume, a cancel, a signal)."""
+    if kind in ("resume", "cancel", "signal"):
         return str(_body(delivery.body).get("task_id", ""))
     return delivery.message_id or ""
 

@@ -63,14 +63,19 @@ def _implied(streams: dict[str, list[RecordedEvent]]) -> dict[str, float]:
             kind = event.event_type
             if kind == "TaskPaused":
                 for call in data["calls"]:
-                    implied.setdefault(call["subtask_id"], at)
+                    if call.get("kind", "call") == "call":  # a signal's or a timer's: none
+                        implied.setdefault(call["subtask_id"], at)
             elif kind == "TaskResumed":
+                for given_up in data.get("abandoned", ()):
+                    if given_up["agent"]:  # a peer call a FirstK pause gave up
+                        implied.setdefault(f"{given_up['subtask_id']}:cancel", at)
                 following = events[position + 1 : position + 2]
                 same_commit = bool(following) and following[0].tx_id == event.tx_id
                 if not (same_commit and following[0].event_type != "ReplyIgnored"):
                     implied.setdefault(f"{task_id}:resume:{data['pause']}", at)
             elif kind == "ResultRecorded" and data["outcome"] == "timeout":
-                implied.setdefault(f"{data['subtask_id']}:cancel", at)
+                if _is_call(events, data["subtask_id"]):
+                    implied.setdefault(f"{data['subtask_id']}:cancel", at)
             elif kind == "TaskCancelled":
                 for pending in data.get("pending", ()):
                     implied.setdefault(f"{pending['subtask_id']}:cancel", at)
@@ -168,3 +173,14 @@ def _hostile_messages_are_dead_letters(observed: Observed) -> list[str]:
         elif not letters[tag]:
             found.append(f"hostile message {tag} was dead-lettered without a reason")
     return found
+
+
+def _is_call(events: list[RecordedEvent], wait: str) -> bool:
+    """Whether ``wait`` is a peer call (not a signal's wait or a timer) of a pause of
+    ``events``."""
+    return any(
+        call["subtask_id"] == wait and call.get("kind", "call") == "call"
+        for event in events
+        if event.event_type == "TaskPaused"
+        for call in event.data["calls"]
+    )

@@ -2,6 +2,13 @@
 
 A :class:`Scenario` is a plain value, so a failing one can be shrunk (fewer tasks, fewer kinds of
 fault) and printed as the command that replays it.
+
+Besides peer calls, an orchestrator's pauses wait for signals and timers (issue 31), some of them
+resuming on the first ``k`` results (``FirstK``); the world sends each signal at a moment drawn
+around its wait (before it, while it is open, after it timed out, racing its timeout or the
+task's cancel, after the task finished, before the task has a stream), sometimes twice under one
+id, sometimes with a payload that does not fit the agent's model. These are drawn from a
+generator of their own (``<seed>:waits``), so that every seed draws everything else as before.
 """
 
 from __future__ import annotations
@@ -10,10 +17,35 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-__all__ = ["FAULT_KINDS", "Scenario", "TaskSpec"]
+__all__ = ["FAULT_KINDS", "SIGNAL_WHEN", "Scenario", "SignalSpec", "TaskSpec"]
 
 Peer = Literal["researcher", "oracle"]
 """``researcher``: a Waystation agent served by the workers; ``oracle``: a plain AMQP peer."""
+WaitKind = Literal["researcher", "oracle", "signal", "sleep"]
+"""A wait of a pause: a call to a peer (with its ``x``), a signal (``x``: the index of its name,
+``go<x>``) or a timer (``x``: its seconds)."""
+SignalWhen = Literal[
+    "no-stream", "early", "on-time", "late", "racing-timeout", "racing-cancel", "finished"
+]
+SIGNAL_WHEN: tuple[SignalWhen, ...] = (
+    "no-stream",
+    "early",
+    "on-time",
+    "on-time",
+    "late",
+    "racing-timeout",
+    "racing-cancel",
+    "finished",
+)
+"""When a signal is sent, against its wait: ``no-stream`` at once after its task is submitted
+(before its first pause, most often: undeliverable); ``early`` once the pause before its wait's
+is recorded (kept for its wait); ``on-time`` while its wait is open; ``late`` after its wait's
+deadline (kept for a later wait on its name, or refused, the task finished); ``racing-timeout``
+within a fraction of a second of its wait's deadline; ``racing-cancel`` of its task's cancel;
+``finished`` once its task has finished in the log (refused) or answered without one."""
+SIGNAL_NAMES = ("go0", "go1", "go2")
+"""Names a signal may have; the orchestrator waits for the first two only (``go2`` is only ever
+kept)."""
 Bad = Literal["nan", "inf", "nul", "deep", "object"]
 """Outcomes a handler can return that no log can store (they used to be retried as if
 transient, to the delivery limit)."""
@@ -29,6 +61,7 @@ FAULT_KINDS = (
     "handler",
     "refuse",
     "hostile",
+    "signals",
 )
 Hostile = Literal["not-utf8-id", "deep-headers", "odd-header-bad-json", "unknown-type-tag"]
 """Metadata no client library should write, sent raw to an agent's queue (``hostile``)."""
@@ -46,13 +79,42 @@ sendable to the workers and not to the broker (``too-large``)."""
 
 
 @dataclass(frozen=True)
+class SignalSpec:
+    """A signal the world sends to a task (``signals``)."""
+
+    signal_id: str
+    name: str
+    pause: int
+    """The pause whose wait on ``name`` it is meant for (``when`` counts from it)."""
+    when: SignalWhen
+    delay: float
+    """Seconds after the moment ``when`` names (negative: before it, when racing)."""
+    valid: bool = True
+    """Whether its payload fits the agent's model of the signal (``{"n": int}``)."""
+    copies: int = 1
+    """How many times it is sent under its one id (a sender that retried)."""
+    spread: float = 0.0
+    """Seconds between its copies."""
+
+    @property
+    def payload(self) -> dict[str, object]:
+        n = int(self.signal_id.rsplit("-", 1)[1])
+        return {"n": n} if self.valid else {"n": f"{n} or so"}
+
+
+@dataclass(frozen=True)
 class TaskSpec:
     task_id: str
     agent: Literal["orchestrator", "researcher"]
     at: float
     """Seconds after the start when the publisher submits it."""
-    rounds: tuple[tuple[tuple[Peer, int], ...], ...] = ()
-    """An orchestrator's calls, round by round: (peer, x)."""
+    rounds: tuple[tuple[tuple[WaitKind, int], ...], ...] = ()
+    """An orchestrator's waits, round by round: (peer, x), (``signal``, name) or (``sleep``,
+    seconds)."""
+    until: tuple[int | None, ...] = ()
+    """Each round's ``FirstK``, if it has one (None, or no entry: it waits for every result)."""
+    signals: tuple[SignalSpec, ...] = ()
+    """The signals the world sends to it (``signals``)."""
     timeout: float = 10.0
     fails: int = 0
     """Runs of each step whose handler raises before one succeeds."""
@@ -109,9 +171,23 @@ class Scenario:
     @classmethod
     def generate(cls, seed: int) -> Scenario:
         scenario = cls._generate(seed)
-        # the broker saying no and hostile publishers, drawn from a generator of their own so
-        # that everything else each seed draws stays as it was
-        return scenario._with_refusals(random.Random(f"{seed}:refusals"))
+        # the broker saying no and hostile publishers, then signals and timers, each drawn from
+        # a generator of their own so that everything else each seed draws stays as it was
+        scenario = scenario._with_refusals(random.Random(f"{seed}:refusals"))
+        return scenario._with_waits(random.Random(f"{seed}:waits"))
+
+    def _with_waits(self, rng: random.Random) -> Scenario:
+        if rng.random() >= 0.4:
+            return self
+        return replace(
+            self,
+            tasks=tuple(
+                _with_waits(rng, task)
+                if task.agent == "orchestrator" and task.rounds and rng.random() < 0.7
+                else task
+                for task in self.tasks
+            ),
+        )
 
     def _with_refusals(self, rng: random.Random) -> Scenario:
         refusing = rng.random() < 0.3
@@ -244,4 +320,55 @@ def _task(rng: random.Random, seed: int, n: int) -> TaskSpec:
         bad=rng.choice((None,) * 12 + ("nan", "inf", "nul", "deep", "object")),
         cancel_at=cancel_at,
         gone=gone,
+    )
+
+
+def _with_waits(rng: random.Random, task: TaskSpec) -> TaskSpec:
+    """``task`` with signals and timers among its calls, some rounds resuming on ``FirstK``,
+    and the signals the world sends it."""
+    rounds: list[tuple[tuple[WaitKind, int], ...]] = []
+    until: list[int | None] = []
+    for calls in task.rounds:
+        waits: list[tuple[WaitKind, int]] = list(calls)
+        for _ in range(rng.choice((0, 1, 1, 2, 3))):
+            wait: tuple[WaitKind, int] = (
+                ("signal", rng.randint(0, 1))
+                if rng.random() < 0.65
+                else ("sleep", rng.choice((0, 1, 3, 8, 20)))
+            )
+            waits.insert(rng.randint(0, len(waits)), wait)
+        rounds.append(tuple(waits))
+        until.append(
+            rng.randint(1, len(waits) - 1) if len(waits) > 1 and rng.random() < 0.35 else None
+        )
+    signals = []
+    for pause, waits in enumerate(rounds, start=1):
+        for kind, x in waits:
+            if kind == "signal" and rng.random() < 0.85:
+                signals.append(_signal(rng, task, len(signals), f"go{x}", pause))
+    if rng.random() < 0.15:  # a signal nothing waits for: kept to the end
+        signals.append(_signal(rng, task, len(signals), "go2", 1))
+    return replace(task, rounds=tuple(rounds), until=tuple(until), signals=tuple(signals))
+
+
+def _signal(rng: random.Random, task: TaskSpec, n: int, name: str, pause: int) -> SignalSpec:
+    when = rng.choice(SIGNAL_WHEN)
+    delay = {
+        "no-stream": rng.uniform(0.0, 0.5),
+        "early": rng.uniform(0.0, 2.0),
+        "on-time": rng.uniform(0.0, 0.9 * task.timeout),
+        "late": rng.uniform(0.2, 5.0),
+        "racing-timeout": rng.uniform(-0.3, 0.3),
+        "racing-cancel": rng.uniform(-0.3, 0.3),
+        "finished": rng.uniform(0.0, 2.0),
+    }[when]
+    return SignalSpec(
+        signal_id=f"{task.task_id}-sig{n}-{rng.randint(1, 9)}",
+        name=name,
+        pause=pause,
+        when=when,
+        delay=delay,
+        valid=rng.random() < 0.85,
+        copies=rng.choice((1, 1, 1, 2, 3)),
+        spread=rng.choice((0.0, rng.uniform(0.0, 3.0))),
     )

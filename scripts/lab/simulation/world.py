@@ -5,24 +5,46 @@
 moves any more (or until a bound of virtual time), and returns what was observed:
 the log, what each publisher received, what the broker kept and dead-lettered, and what a
 projection following the log built along the way. ``.invariants`` judges it.
+
+Signals come from the world's own sender (:meth:`_World._signal`), which reads the log as a
+person watching the task would (when did its wait open, when does it time out), sends at the
+moment its :class:`~.scenario.SignalSpec` draws, and keeps every answer; the orchestrator keeps
+what each resumed run of it saw (``seen``), for ``.waits`` to hold against the log.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import random
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import BaseModel
 
 from waystation.agent import App, TaskContext
 from waystation.brokers.amqp.topology import policy_definition
 from waystation.brokers.memory import InMemoryBroker, InMemoryConnection, StoredMessage
 from waystation.brokers.port import BrokerUnavailable, Delivery
-from waystation.events import Call, Complete, OutboxMessage, Outcome, Pause, Position, RecordedEvent
-from waystation.events.codec import dumps, loads
+from waystation.events import (
+    Call,
+    CallResult,
+    Complete,
+    FirstK,
+    OutboxMessage,
+    Outcome,
+    Pause,
+    Position,
+    RecordedEvent,
+    Signal,
+    Sleep,
+    Wait,
+)
+from waystation.events.codec import canonical, dumps, loads
 from waystation.events.memory import InMemoryEventStore
 from waystation.policies import Permanent
 from waystation.protocol.wire import (
@@ -30,6 +52,7 @@ from waystation.protocol.wire import (
     TYPE_CANCEL,
     TYPE_PROGRESS,
     TYPE_RESULT,
+    TYPE_SIGNAL,
     TYPE_TASK,
     Names,
 )
@@ -40,13 +63,15 @@ from .faults import ACTOR, Chronicle, FaultPlan, FaultyBroker, FaultyStore, Proc
 from .hostile import hostile_message, odd_headers
 from .hostile import properties as hostile_properties
 from .loop import EPOCH, Stalled, VirtualLoop
-from .scenario import MAX_MESSAGE, REFUSED_RETRY, Hostile, Scenario, TaskSpec
+from .scenario import MAX_MESSAGE, REFUSED_RETRY, Hostile, Scenario, SignalSpec, TaskSpec
 
-__all__ = ["Observed", "run"]
+__all__ = ["Observed", "fingerprint", "run"]
 
 PREFIX = "sim."
 RESULTS = "sim.results"
 CANCELS = "sim.cancels"
+SIGNALS = "sim.signals"
+"""Where the senders of signals hear what became of them."""
 GONE = "sim.gone"
 """The reply queue of a publisher that left: no such queue exists."""
 FULL = "sim.full."
@@ -59,6 +84,24 @@ HORIZON = 900.0
 """Virtual seconds after which a run that has not settled counts as stuck."""
 SETTLE_BOUND = 120.0
 """Virtual seconds past the last deadline within which every task must have finished."""
+WATCH = 0.25
+"""Virtual seconds between two looks of a signal's sender at its task's stream."""
+WATCH_LIMIT = 300.0
+"""Virtual seconds a signal's sender waits for the moment it sends at; then it sends anyway."""
+
+Seen = tuple[tuple[str, str, str, str, str | None], ...]
+"""What a resumed run was given, result by result: (wait, outcome, value as canonical JSON,
+kind, name)."""
+Logged = tuple[tuple[str, str, str], ...]
+"""The results of a pause the log held when a run resumed from it began: (wait, outcome, value
+as canonical JSON), ``cancelled`` for a wait its resume gave up."""
+
+
+class Go(BaseModel):
+    """The orchestrator's model of its signals: a payload that does not fit is refused."""
+
+    n: int
+
 
 _BASE_SETTINGS: Settings | None = None
 
@@ -129,6 +172,18 @@ class Observed:
     """Each hostile message's tag, to what it was and the queue it went to."""
     permanent_raised: dict[tuple[str, int], float] = field(default_factory=dict)
     """(task, pause) whose run raised ``Permanent``, to when it first did (loop time)."""
+    signals_sent: dict[str, list[float]] = field(default_factory=dict)
+    """Each signal's id, to when each copy of it went to the broker (loop time)."""
+    signal_answers: dict[str, list[Any]] = field(default_factory=dict)
+    """Each signal's id, to every answer its sender received, in arrival order."""
+    seen: dict[tuple[str, int], list[Seen]] = field(default_factory=dict)
+    """(task, pause) to what each run resumed from that pause was given (a run in place whose
+    append found the stream moved on among them: its outcome is not recorded)."""
+    logged: dict[tuple[str, int], list[Logged]] = field(default_factory=dict)
+    """(task, pause) to what the log held of that pause's results when each of those runs
+    began, in the same order."""
+    pending: dict[str, str] = field(default_factory=dict)
+    """The pending waits left at the end (the store's ``pending_calls``): wait to task."""
     chronicle: Chronicle = field(default_factory=Chronicle)
     """Every commit, every publish of a worker that reached the broker and every ack a worker
     sent, in the order they happened."""
@@ -255,6 +310,12 @@ class _World:
         """Each hostile message's tag, to what it was and the queue it went to."""
         self.permanent_raised: dict[tuple[str, int], float] = {}
         """(task, pause) whose run raised ``Permanent``, to when it first did (loop time)."""
+        self.signals_sent: dict[str, list[float]] = defaultdict(list)
+        self.signal_answers: dict[str, list[Any]] = defaultdict(list)
+        self.seen: dict[tuple[str, int], list[Seen]] = defaultdict(list)
+        self.logged: dict[tuple[str, int], list[Logged]] = defaultdict(list)
+        self.sending = 0
+        """Signals not sent yet."""
         self.finishing = False
         self.own = self.broker.connection("simulation", reconnect_after=0.5)
 
@@ -264,10 +325,14 @@ class _World:
         app = App()
         world = self
 
-        @app.agent("orchestrator")
+        @app.agent("orchestrator", signals={"go0": Go, "go1": Go, "go2": Go})
         async def orchestrator(task: TaskContext) -> Outcome:
             spec = task.input
             world.runs[(task.task_id, task.pause)] += 1
+            seen = _seen(task.results)
+            if task.pause:
+                world.seen[(task.task_id, task.pause)].append(seen)
+                world.logged[(task.task_id, task.pause)].append(world.logged_results(task))
             if task.pause and world.finished_in_log(task.task_id):
                 world.late_runs.append(f"{task.task_id} resumed from pause {task.pause}")
             if world.runs[(task.task_id, task.pause)] <= spec.get("fails", 0):
@@ -283,21 +348,26 @@ class _World:
             failed = int(task.state.get("failed", 0))
             for result in task.results:
                 if result.ok and isinstance(result.value, dict):
-                    total += int(result.value.get("answer", 0))
-                else:
+                    # a peer's answer, or a signal's payload
+                    total += int(result.value.get("answer", result.value.get("n", 0)))
+                elif not result.ok:
                     failed += 1
             rounds = spec.get("rounds", [])
             bad = spec.get("bad")
             if task.pause < len(rounds):
-                calls = [
-                    Call(peer, {"x": math.inf if bad == "inf" else x}, timeout=spec["timeout"])
-                    for peer, x in rounds[task.pause]
-                ]
+                calls = [_wait(kind, x, spec["timeout"], bad) for kind, x in rounds[task.pause]]
+                until = (spec.get("until") or [])[task.pause : task.pause + 1]
                 update: dict[str, Any] = {"total": total, "failed": failed}
+                if task.pause:
+                    update["seen"] = fingerprint(seen)
                 if bad == "nul":
                     update["note"] = "a\u0000b"
-                return Pause(calls, update=update)
+                return Pause(
+                    calls, update=update, until=FirstK(until[0]) if until and until[0] else None
+                )
             result: Any = {"total": total, "failed": failed}
+            if task.pause:
+                result["seen"] = fingerprint(seen)
             if bad == "nan":
                 result["total"] = math.nan
             elif bad == "deep":
@@ -322,6 +392,22 @@ class _World:
             return Complete({"answer": x * x if isinstance(x, int) else 0})
 
         return app
+
+    def logged_results(self, task: TaskContext) -> Logged:
+        """The results of ``task``'s latest pause the log holds right now."""
+        logged = []
+        for event in self.store._streams.get(task.task_id, []):
+            data = event.data
+            if data.get("pause") != task.pause:
+                continue
+            if event.event_type == "ResultRecorded":
+                value = canonical(data.get("value")).decode()
+                logged.append((data["subtask_id"], data["outcome"], value))
+            elif event.event_type == "TaskResumed":
+                logged.extend(
+                    (c["subtask_id"], "cancelled", "null") for c in data.get("abandoned", ())
+                )
+        return tuple(logged)
 
     def finished_in_log(self, task_id: str) -> bool:
         """Whether the log holds a terminal event of ``task_id`` right now."""
@@ -363,6 +449,8 @@ class _World:
         task_id = delivery.correlation_id or ""
         if delivery.queue == RESULTS or delivery.queue.startswith(FULL):
             self.results[task_id].append(delivery.body)
+        elif delivery.queue == SIGNALS:
+            self.signal_answers[task_id].append(loads(delivery.body))
         else:
             self.cancel_answers[task_id.removeprefix("cancel:")].append(loads(delivery.body))
 
@@ -410,6 +498,7 @@ class _World:
                 "fails": spec.fails if "handler" in faults else 0,
                 "slow": spec.slow,
                 "bad": spec.bad,
+                "until": list(spec.until),
                 "big": spec.big if "refuse" in faults else 0,
                 "permanent": spec.permanent and "handler" in faults,
             }
@@ -447,6 +536,55 @@ class _World:
             f"cancel:{spec.task_id}",
             reply_to=GONE if spec.gone else CANCELS,
         )
+
+    async def _signal(self, spec: TaskSpec, signal: SignalSpec) -> None:
+        """Send ``signal`` to ``spec``'s task at the moment it draws, as often as it draws, as
+        a sender that watches the task (``Client.signal``) would: the answer comes to
+        ``SIGNALS``."""
+        try:
+            await asyncio.sleep(spec.at)
+            at = await self._moment(spec, signal)
+            await asyncio.sleep(max(0.0, at + signal.delay - self.loop.time()))
+            for copy in range(signal.copies):
+                if copy:
+                    await asyncio.sleep(signal.spread)
+                self.trace("world", f"signal {signal.name} {signal.signal_id} -> {spec.task_id}")
+                self.signals_sent[signal.signal_id].append(self.loop.time())
+                await self.send(
+                    self.names.tasks(spec.agent),
+                    {"task_id": spec.task_id, "name": signal.name, "payload": signal.payload},
+                    signal.signal_id,
+                    TYPE_SIGNAL,
+                    signal.signal_id,
+                    reply_to=SIGNALS,
+                )
+        finally:
+            self.sending -= 1
+
+    async def _moment(self, spec: TaskSpec, signal: SignalSpec) -> float:
+        """The moment (loop time) ``signal.when`` counts from, as the log shows it; a task that
+        finishes before it (or answers without a stream) gives the moment that is seen."""
+        if signal.when == "no-stream":
+            return self.loop.time()
+        if signal.when == "racing-cancel" and spec.cancel_at is not None:
+            if "cancel" in self.scenario.faults:
+                return self.start + spec.cancel_at
+        limit = self.loop.time() + WATCH_LIMIT
+        while self.loop.time() < limit:
+            events = self.store._streams.get(spec.task_id, [])
+            if signal.when == "early":
+                if signal.pause == 1 or _paused(events, signal.pause - 1) is not None:
+                    return self.loop.time()
+            elif signal.when in ("late", "racing-timeout", "on-time", "racing-cancel"):
+                paused = _paused(events, signal.pause)
+                if paused is not None:
+                    if signal.when == "on-time" or signal.when == "racing-cancel":
+                        return self.loop.time()
+                    return _deadline(paused, signal.name) or self.loop.time()
+            if self.finished_in_log(spec.task_id) or self.answered(spec):
+                return self.loop.time()
+            await asyncio.sleep(WATCH)
+        return self.loop.time()
 
     async def _drop(self, at: float) -> None:
         await asyncio.sleep(at)
@@ -529,7 +667,7 @@ class _World:
         for name, queue in self.broker.queues.items():
             if name != self.names.dead_letter_queue and queue.ready:
                 return False
-        if self.broker.unsettled() or self.broker.waiting:
+        if self.broker.unsettled() or self.broker.waiting or self.sending:
             return False
         return self.store_quiet()
 
@@ -542,7 +680,7 @@ class _World:
         try:
             await self.own.connect()
             await self.own.declare(self.names, ["orchestrator", "researcher", "oracle"])
-            for queue in (RESULTS, CANCELS):
+            for queue in (RESULTS, CANCELS, SIGNALS):
                 self.broker.declare_queue(queue)
                 await self.own.consume(queue, self._collect, prefetch=100)
             oracle = _Oracle(self, self.own)
@@ -561,6 +699,10 @@ class _World:
             self.spawn(self._submit(spec))
             if spec.cancel_at is not None and "cancel" in self.scenario.faults:
                 self.spawn(self._cancel(spec))
+            if "signals" in self.scenario.faults:
+                for signal in spec.signals:
+                    self.sending += 1
+                    self.spawn(self._signal(spec, signal))
         if "hostile" in self.scenario.faults:
             for n, (at, where, what) in enumerate(self.scenario.hostile):
                 self.spawn(self._hostile(at, where, what, f"h{self.scenario.seed}-{n}"))
@@ -686,6 +828,11 @@ def _observe(world: _World, settled_at: float | None, stalled: str | None) -> Ob
         drained=dict(world.drained),
         hostile_sent=dict(world.hostile_sent),
         permanent_raised=dict(world.permanent_raised),
+        signals_sent=dict(world.signals_sent),
+        signal_answers=dict(world.signal_answers),
+        seen=dict(world.seen),
+        logged=dict(world.logged),
+        pending={wait: entry[0] for wait, entry in store._pending.items()},
     )
 
 
@@ -695,3 +842,45 @@ def _counters(world: _World) -> dict[str, int]:
         for name, value in worker.stats.counters.items():
             total[name] += value
     return dict(total)
+
+
+def _wait(kind: str, x: int, timeout: float, bad: str | None) -> Wait:
+    """The orchestrator's wait of a round's ``(kind, x)`` (``.scenario.TaskSpec.rounds``)."""
+    if kind == "signal":
+        return Signal(f"go{x}", timeout=timeout)
+    if kind == "sleep":
+        return Sleep(x)
+    return Call(kind, {"x": math.inf if bad == "inf" else x}, timeout=timeout)
+
+
+def fingerprint(seen: Seen) -> str:
+    """A short digest of what a resumed run was given, which it records with its outcome (in
+    its next pause's state, or its result), so that the run whose outcome the log holds can be
+    told from runs in place whose append found the stream moved on."""
+    return hashlib.sha256(canonical([list(result) for result in seen])).hexdigest()[:16]
+
+
+def _seen(results: Sequence[CallResult]) -> Seen:
+    return tuple(
+        (r.subtask_id, r.outcome, canonical(r.value).decode(), r.kind, r.name) for r in results
+    )
+
+
+def _paused(events: Sequence[RecordedEvent], pause: int) -> RecordedEvent | None:
+    """The ``TaskPaused`` of ``pause`` among ``events``, if it is there yet."""
+    return next(
+        (e for e in events if e.event_type == "TaskPaused" and e.data["pause"] == pause), None
+    )
+
+
+def _deadline(paused: RecordedEvent, name: str) -> float | None:
+    """When the first wait of ``paused`` on the signal ``name`` times out (loop time); None
+    when it has none (a signal nothing waits for)."""
+    return next(
+        (
+            float(wait["deadline_at"])
+            for wait in paused.data["calls"]
+            if wait.get("kind") == "signal" and wait.get("name") == name
+        ),
+        None,
+    )

@@ -61,7 +61,7 @@ async def handle_signal(steps: Steps, delivery: Delivery, spec: AgentSpec, body:
     decision under this signal's id already."""
 
     def decide(state: TaskState) -> list[Any]:
-        if state.exists and state.agent != spec.name:
+        if _foreign(state, spec):
             return []
         decided[:] = decide_signal(
             state, name, payload, signal_id=signal_id, sender=delivery.user_id, invalid=invalid
@@ -102,6 +102,13 @@ def _shape_problem(body: Any) -> str | None:
     if set(body) - {"task_id", "name", "payload"}:
         return f"{SIGNAL_SHAPE}; unknown keys {sorted(set(body) - {'task_id', 'name', 'payload'})}"
     return None
+
+
+def _foreign(state: TaskState, spec: AgentSpec) -> bool:
+    """Whether the task is another agent's. A stream that holds only a cancel (the task was
+    cancelled before its first run recorded anything) names no agent: it is nobody's, and a
+    signal for it is refused as for any finished task."""
+    return state.exists and state.agent is not None and state.agent != spec.name
 
 
 def _checked(model: type[BaseModel] | None, payload: Any) -> tuple[Any, str | None]:
@@ -156,7 +163,7 @@ def _answer(
             f"no task {state.task_id!r} in the log: it has not paused yet, finished without "
             "waiting (G10), or never was; a signal reaches a task that has paused",
         )
-    if state.agent != spec.name:
+    if _foreign(state, spec):
         return _Answer(
             "wrong-agent",
             f"task {state.task_id!r} is a task of agent {state.agent!r}; send its signals to "
