@@ -143,11 +143,7 @@ def problems(observed: Observed) -> list[str]:
     found.extend(_worker_problems(observed, streams))
     found.extend(_timeout_problems(observed, streams))
     for stream_id, events in streams.items():
-        found.extend(
-            f"{stream_id}: {p.kind}: {p.message}"
-            for p in verify_stream(events)
-            if not waits.first_k_resume(p, events)
-        )
+        found.extend(f"{stream_id}: {p.kind}: {p.message}" for p in verify_stream(events))
         decisive = [e for e in events if e.event_type not in _AUDIT_ONLY]
         if decisive and decisive[-1].event_type not in _TERMINAL:
             state = fold(stream_id, events)

@@ -34,20 +34,18 @@ sender of a signal received and what each resumed run of the orchestrator was gi
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 from waystation.events import RecordedEvent, fold
 from waystation.events.codec import canonical
-from waystation.projections.audit import Problem
 from waystation.protocol.wire import derived_id
 
 from .scenario import SignalSpec
 from .world import Logged, Observed, Seen, fingerprint
 
-__all__ = ["first_k_resume", "problems"]
+__all__ = ["problems"]
 
 _TERMINAL = ("TaskCompleted", "TaskFailed", "TaskCancelled")
 _AUDIT_ONLY = ("ReplyIgnored", "SignalRefused")
@@ -72,20 +70,6 @@ def problems(observed: Observed, streams: dict[str, list[RecordedEvent]]) -> lis
     found.extend(_answers(observed, streams))
     found.extend(_nothing_left(observed, streams))
     return found
-
-
-def first_k_resume(problem: Problem, events: list[RecordedEvent]) -> bool:
-    """Whether ``problem`` is ``verify_stream`` calling the resume of a ``FirstK`` pause early,
-    which its rule allows (3 checks it)."""
-    if problem.kind != "early-resume":
-        return False
-    number = re.search(r"pause #(\d+)", problem.message)
-    return number is not None and any(
-        e.event_type == "TaskPaused"
-        and e.data["pause"] == int(number.group(1))
-        and e.data.get("until") is not None
-        for e in events
-    )
 
 
 # ---- the stream, read raw --------------------------------------------------------------------
