@@ -162,4 +162,6 @@ def test_the_policies_example_declares_what_its_comments_say(tmp_path: Path) -> 
         "rate": {"count": 10, "per": 60},
         "default_call_timeout": None,
         "keep_results": False,
+        "signals": [],
+        "version": None,
     }

@@ -172,6 +172,8 @@ class Observed:
     """Each hostile message's tag, to what it was and the queue it went to."""
     permanent_raised: dict[tuple[str, int], float] = field(default_factory=dict)
     """(task, pause) whose run raised ``Permanent``, to when it first did (loop time)."""
+    retryable_failed: dict[tuple[str, int], int] = field(default_factory=dict)
+    """Runs of each (task, pause) that raised an error worth trying again (not ``Permanent``)."""
     signals_sent: dict[str, list[float]] = field(default_factory=dict)
     """Each signal's id, to when each copy of it went to the broker (loop time)."""
     signal_answers: dict[str, list[Any]] = field(default_factory=dict)
@@ -309,6 +311,7 @@ class _World:
         self.hostile_sent: dict[str, tuple[str, str]] = {}
         """Each hostile message's tag, to what it was and the queue it went to."""
         self.permanent_raised: dict[tuple[str, int], float] = {}
+        self.retryable_failed: dict[tuple[str, int], int] = defaultdict(int)
         """(task, pause) whose run raised ``Permanent``, to when it first did (loop time)."""
         self.signals_sent: dict[str, list[float]] = defaultdict(list)
         self.signal_answers: dict[str, list[Any]] = defaultdict(list)
@@ -337,6 +340,7 @@ class _World:
                 world.late_runs.append(f"{task.task_id} resumed from pause {task.pause}")
             if world.runs[(task.task_id, task.pause)] <= spec.get("fails", 0):
                 world.failed_runs[(task.task_id, task.pause)] += 1
+                world.retryable_failed[(task.task_id, task.pause)] += 1
                 raise RuntimeError(f"flaky run {world.runs[(task.task_id, task.pause)]}")
             if spec.get("permanent") and task.pause == 1:
                 world.failed_runs[(task.task_id, task.pause)] += 1
@@ -828,6 +832,7 @@ def _observe(world: _World, settled_at: float | None, stalled: str | None) -> Ob
         drained=dict(world.drained),
         hostile_sent=dict(world.hostile_sent),
         permanent_raised=dict(world.permanent_raised),
+        retryable_failed=dict(world.retryable_failed),
         signals_sent=dict(world.signals_sent),
         signal_answers=dict(world.signal_answers),
         seen=dict(world.seen),
