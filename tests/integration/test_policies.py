@@ -152,9 +152,11 @@ def test_waystation_agents_lists_each_agent_with_its_policies(settings: Settings
     lines = table.stdout.splitlines()
     assert lines[0].split()[:2] == ["agent", "retries"]
     assert any(line.split()[:2] == ["slow", "1"] and "1s" in line for line in lines)
-    assert lines[0].split()[-4:] == ["concurrency", "rate", "calls", "results"]
+    columns = ["concurrency", "rate", "calls", "results", "signals", "version"]
+    assert lines[0].split()[-6:] == columns
     assert {row["keep_results"] for row in by_agent.values()} == {False}
-    assert all(line.endswith("if paused") for line in lines[1:])
+    # no signals declared, no version: each row ends "if paused  -  -"
+    assert all(line.split()[-4:] == ["if", "paused", "-", "-"] for line in lines[1:])
     # the example app, whose agents declare no retries: WAYSTATION_DELIVERY_LIMIT's
     default = waystation(settings, "agents", "--app", "waystation.example:app", "--json")
     assert {row["retries"] for row in json.loads(default.stdout)["agents"]} == {

@@ -24,8 +24,9 @@ def agents(app_path: str | None, as_json: bool) -> None:
     broker), the time limit of one run, the most runs at once and starts per period across the
     pool (concurrency, rate; none by default), the default deadline of their calls, and which
     results the log keeps (all: keep_results=True or WAYSTATION_AUDIT_ALL_TASKS; else those of
-    tasks that paused or failed). A policy that cannot work fails here, as it does when a worker
-    starts."""
+    tasks that paused or failed); the signals whose payloads it checks (signals=) and the
+    version of its code (recorded on each pause). A policy that cannot work fails here, as it
+    does when a worker starts."""
     from waystation.agent import App
 
     app = load_app(app_path)  # a policy that cannot work: a usage error naming it
@@ -45,6 +46,8 @@ def agents(app_path: str | None, as_json: bool) -> None:
         "rate",
         "calls",
         "results",
+        "signals",
+        "version",
     )
     table = [header] + [
         (
@@ -58,6 +61,8 @@ def agents(app_path: str | None, as_json: bool) -> None:
             if row["default_call_timeout"] is not None
             else f"{settings.default_call_timeout:g}s (default)",
             "all" if row["keep_results"] or settings.audit_all_tasks else "if paused",
+            ", ".join(row["signals"]) or "-",
+            row["version"] or "-",
         )
         for row in rows
     ]
