@@ -13,7 +13,12 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from waystation.cli.admin import print_projection_status, readable_age
-from waystation.cli.wiring import load_settings, open_store, run, with_projection_engine
+from waystation.cli.wiring import (
+    agent_in_log,
+    load_settings,
+    run,
+    with_projection_engine,
+)
 from waystation.events.codec import dumps, loads
 
 if TYPE_CHECKING:
@@ -134,14 +139,9 @@ async def _cancel(
     settings: Settings, task_id: str, agent: str | None, reason: str | None, timeout: float
 ) -> int:
     from waystation.client import Client
-    from waystation.events import fold
 
     if agent is None:
-        store = open_store(settings)
-        try:
-            agent = fold(task_id, await store.read_stream(task_id)).agent
-        finally:
-            await store.close()
+        agent = await agent_in_log(settings, task_id)
         if agent is None:
             click.echo(
                 f"task {task_id!r} is not in the event log; name its agent with --agent", err=True
