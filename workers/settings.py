@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = [
@@ -205,6 +205,16 @@ class Settings(BaseSettings):
     on one host each get one (the port taken is logged); set, that port or an error."""
     metrics_host: str = "0.0.0.0"
     """Address the metrics endpoint listens on (``127.0.0.1`` keeps it local)."""
+    console_host: str = "127.0.0.1"
+    """Address ``waystation console`` listens on: this host only, unless told otherwise (any
+    other address also needs ``console_token`` for actions, sent in clear over plain HTTP: put
+    TLS in front)."""
+    console_port: int = Field(default=8470, ge=0, le=65535)
+    """Port of ``waystation console`` (0: any free port, logged)."""
+    console_token: SecretStr | None = None
+    """The secret a person types into ``waystation console`` to act (cancel, signal, replay);
+    unset, the console is read-only. Keep it out of shells' history: set it in the
+    environment of the console's process only."""
     worker_id: str = Field(default_factory=_default_worker_id)
     shutdown_grace: float = Field(default=10.0, ge=0)
     """Seconds in-flight messages get to reach their next commit on SIGTERM."""

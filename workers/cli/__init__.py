@@ -11,6 +11,7 @@ area, one module each:
 * :mod:`.admin`: ``db upgrade`` and the one-shot ``projections`` commands;
 * :mod:`.schema`: ``schema``, the JSON Schema of an agent's input and result;
 * :mod:`.results`: ``result``;
+* :mod:`.console`: ``console``, the web console;
 
 and :mod:`.wiring` builds what they share: the settings, the event loop, the backends.
 """
@@ -21,7 +22,7 @@ import inspect
 
 import click
 
-from waystation.cli import admin, agents, audit, results, schema, serve, signals, tasks
+from waystation.cli import admin, agents, audit, console, results, schema, serve, signals, tasks
 from waystation.cli.exits import EXIT_CODES
 
 __all__ = ["main"]
@@ -87,5 +88,6 @@ main.add_command(audit.state)
 main.add_command(admin.db)
 main.add_command(admin.projections_group)
 main.add_command(schema.schema)
+main.add_command(console.console)
 # a long-running process like `worker`, so it lives in serve; the group it belongs to is admin's
 admin.projections_group.add_command(serve.run_projections)

@@ -19,7 +19,7 @@ from waystation.brokers.amqp.transport import guarded_connection
 from waystation.brokers.metadata import sendable
 from waystation.protocol.wire import HEADER_DETAIL, HEADER_QUEUE, HEADER_REASON, Names
 
-__all__ = ["DeadLetter", "browse", "replay"]
+__all__ = ["DeadLetter", "browse", "count", "replay"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +91,23 @@ async def _take(
             await message.nack(requeue=True)
         await connection.close()
     return seen
+
+
+async def count(amqp_url: str, names: Names) -> int:
+    """How many dead letters wait in the queue (0 when no worker has declared it yet), without
+    taking any: the broker's count as of a passive declare."""
+    connection = await guarded_connection(
+        amqp_url, client_properties={"connection_name": "waystation dead-letters"}
+    )
+    try:
+        channel = await connection.channel()
+        try:
+            queue = await channel.declare_queue(names.dead_letter_queue, passive=True)
+        except aio_pika.exceptions.ChannelNotFoundEntity:  # no worker has declared it yet
+            return 0
+        return queue.declaration_result.message_count or 0
+    finally:
+        await connection.close()
 
 
 async def browse(amqp_url: str, names: Names, limit: int = 50) -> list[DeadLetter]:

@@ -1,0 +1,9 @@
+"""The console's pages, one module each, every one a ``routes`` table the app adds."""
+
+from __future__ import annotations
+
+from waystation.console.pages import overview, paused, session
+
+__all__ = ["MODULES"]
+
+MODULES = [session, overview, paused]
