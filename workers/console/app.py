@@ -148,11 +148,16 @@ def _age(value: datetime | float | None) -> str:
 
 
 def _pretty(value: Any) -> str:
+    """``value`` as indented JSON, redacted as ``waystation export`` redacts by default (a
+    checkpoint's ``security_context`` shows as its hash): what a console shows, an export
+    would too."""
     import orjson
 
     from waystation.events.codec import dumps
+    from waystation.projections.export import DEFAULT_REDACT_KEYS, redact
 
-    return orjson.dumps(orjson.loads(dumps(value)), option=orjson.OPT_INDENT_2).decode()
+    shown, _ = redact(orjson.loads(dumps(value)), DEFAULT_REDACT_KEYS, "$")
+    return orjson.dumps(shown, option=orjson.OPT_INDENT_2).decode()
 
 
 def _task_url(task_id: str) -> str:
