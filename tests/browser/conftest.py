@@ -127,9 +127,10 @@ async def watched_page(context: Any, base_url: str) -> Watched:
     page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
     page.on(
         "requestfailed",
+        # a request the page's own navigation abandoned (the overview's refresh) is no failure
         lambda r: (
             errors.append(f"request failed: {r.url} ({r.failure})")
-            if r.url.startswith(base_url)
+            if r.url.startswith(base_url) and r.failure != "net::ERR_ABORTED"
             else None
         ),
     )
