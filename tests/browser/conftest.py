@@ -38,15 +38,19 @@ any name without whitespace, but the AMQP client (pamqp) refuses a queue name ou
 ``>``, quotes, ``=``): this is the most hostile agent name a log can hold."""
 
 
-@pytest.fixture(scope="session")
-def chromium_capability() -> Capability:
-    return Capability("Debian's Chromium and Playwright", chromium_missing())
+@pytest.fixture(scope="session", autouse=True)
+def needs_chromium() -> None:
+    """Before anything starts: no browser, no browser test (a skip naming what to install; a
+    failure under CI)."""
+    require(
+        Capability("Debian's Chromium and Playwright", chromium_missing()),
+        "the console's browser tests",
+    )
 
 
 @pytest_asyncio.fixture(scope="session")
-async def browser(chromium_capability: Capability) -> AsyncIterator[Any]:
+async def browser() -> AsyncIterator[Any]:
     """Headless Chromium, one for the session (Playwright's own browsers are never used)."""
-    require(chromium_capability, "the console's browser tests")
     from playwright.async_api import async_playwright, expect
 
     expect.set_options(timeout=20_000)  # a busy machine: wait for conditions, generously
