@@ -213,6 +213,12 @@ async def test_hostile_values_run_nothing(scene: Scene, browser: Any) -> None:
             assert await page.locator("script").count() == 1, f"{path}: an injected <script>"
             assert await watched.pwned() is None, f"{path}: a hostile value ran"
             await click_hostile_links(watched, path)
+        # an export holds the hostile values as they are: never served as a page to render
+        export = await page.request.get(scene.base_url + task_path(orchestrated) + "/export")
+        assert export.status == 200, export
+        assert "html" not in export.headers["content-type"], export.headers
+        lines = await export.text()
+        assert HOSTILE in lines or json.dumps(HOSTILE)[1:-1] in lines, lines[:500]
         await check_clean(watched)
     finally:
         await context.close()
