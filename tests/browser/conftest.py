@@ -27,7 +27,8 @@ from scripts.lab.harness.console import (
     scene_app,
     scene_settings,
 )
-from waystation import Complete, Outcome, Pause, Signal, TaskContext
+from scripts.lab.harness.database import fresh_database_url
+from waystation import Complete, Outcome, Pause, Signal, TaskContext, migrations
 
 from ..support import Capability, Services, require
 
@@ -76,15 +77,23 @@ def browser_app() -> Any:
 
 
 @pytest_asyncio.fixture(scope="module")
-async def scene(services: Services, database_url: str) -> AsyncIterator[Scene]:
+async def scene(services: Services) -> AsyncIterator[Scene]:
     """One pool of real workers, the projections and a console for the module, with the
-    scene's tasks in it (a completed task, calls paused, an approval waiting, a dead letter)."""
-    settings = scene_settings(database_url, services.amqp_url)
-    async with running_scene(
-        settings, app=browser_app(), agents=[*AGENTS, HOSTILE_AGENT], token="browser-token"
-    ) as running:
-        await running.populate()
-        yield running
+    scene's tasks in it (a completed task, calls paused, an approval waiting, a dead letter).
+
+    On a database of its own: the projections' runner then applies only the scene's events,
+    not those of every test before it in the run's database."""
+    database_url = fresh_database_url(services.admin_database_url)
+    await migrations.upgrade(database_url)
+    try:
+        settings = scene_settings(database_url, services.amqp_url)
+        async with running_scene(
+            settings, app=browser_app(), agents=[*AGENTS, HOSTILE_AGENT], token="browser-token"
+        ) as running:
+            await running.populate()
+            yield running
+    finally:
+        await migrations.drop_database(database_url)
 
 
 @dataclass
