@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 
 from aiohttp import web
 
-from waystation.console.app import _task_url, render, sources_of
+from waystation.console.app import render, sources_of, task_url
 from waystation.console.taskview import (
     INLINE_STATES,
     MAX_CHILDREN,
@@ -61,7 +61,7 @@ async def find(request: web.Request) -> web.StreamResponse:
         return render(
             request, "message.html", status=400, title="Which task?", message="Give a task id."
         )
-    raise web.HTTPSeeOther(_task_url(task_id))
+    raise web.HTTPSeeOther(task_url(task_id))
 
 
 def _version(value: str | None) -> int | None:
@@ -166,4 +166,4 @@ async def cancel(request: web.Request) -> web.StreamResponse:
             f"{CANCEL_TIMEOUT:g} s. The cancel stays queued for it: reload the task's page.",
         )
     done = "cancelled" if status == "cancelled" else f"already-{status}"
-    raise web.HTTPSeeOther(f"{_task_url(task_id)}?done={done}")
+    raise web.HTTPSeeOther(f"{task_url(task_id)}?done={done}")
