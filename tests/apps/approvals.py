@@ -4,7 +4,7 @@ workers of ``tests/integration/test_console_approvals.py``.
 ``expenses`` waits for a typed ``decision`` (declared, so every worker checks its payload: a
 field the console's form cannot tell is wrong, an amount over the limit, is refused by the
 worker and named), and completes with what came, who sent it, and the claim it kept in its
-state."""
+state. ``memo`` waits for an untyped ``comment``, any JSON, and completes with it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from waystation import App, Complete, Outcome, Pause, Signal, TaskContext
 
 app = App(version="approvals-test")
 
-AGENTS = ("expenses",)
+AGENTS = ("expenses", "memo")
 """The agents of this app, whose queues a test deletes afterwards."""
 
 
@@ -35,3 +35,10 @@ async def expenses(task: TaskContext) -> Outcome:
         return Pause([Signal("decision", timeout=3600)], update={"claim": task.input})
     answer = task.results[0]
     return Complete({"decision": answer.value, "by": answer.sender, "claim": task.state["claim"]})
+
+
+@app.agent("memo")
+async def memo(task: TaskContext) -> Outcome:
+    if not task.resumed:
+        return Pause([Signal("comment", timeout=3600)])
+    return Complete(task.results[0].value)

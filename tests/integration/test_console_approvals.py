@@ -23,7 +23,9 @@ import pytest
 from tests.apps import approvals as approval_app
 from waystation.client import Client
 from waystation.console.forms import signal_id_of
+from waystation.console.pages import approvals as approvals_page
 from waystation.events import fold
+from waystation.events.codec import dumps
 from waystation.events.model import RecordedEvent
 from waystation.events.postgres import PostgresEventStore
 from waystation.projections.postgres import PROJECTIONS, ProjectionRunner, create_engine
@@ -63,9 +65,11 @@ async def pool(settings: Settings, store: PostgresEventStore) -> AsyncIterator[C
         await engine.dispose()
 
 
-async def waiting_claim(client: Client, store: PostgresEventStore, claim: Any) -> str:
-    """A new task of ``expenses`` for ``claim``, once the log shows it waiting."""
-    task_id = await client.submit("expenses", claim)
+async def waiting_claim(
+    client: Client, store: PostgresEventStore, claim: Any, agent: str = "expenses"
+) -> str:
+    """A new task of ``agent`` (``expenses``) for ``claim``, once the log shows it waiting."""
+    task_id = await client.submit(agent, claim)
 
     async def has_paused() -> bool:
         return fold(task_id, await store.read_stream(task_id)).status == "paused"
@@ -91,14 +95,16 @@ def article(text: str, task_id: str) -> str:
     return found.group(0) if found else ""
 
 
-async def listed(session: aiohttp.ClientSession, base_url: str, task_id: str) -> str:
-    """The approval of ``task_id`` once /approvals lists it (the projection has applied its
-    pause)."""
+async def listed(
+    session: aiohttp.ClientSession, base_url: str, task_id: str, query: str = "?agent=expenses"
+) -> str:
+    """The approval of ``task_id`` once /approvals (with ``query``) lists it (the projection
+    has applied its pause)."""
     shown = ""
 
     async def is_listed() -> bool:
         nonlocal shown
-        shown = article(await page(session, f"{base_url}/approvals?agent=expenses"), task_id)
+        shown = article(await page(session, f"{base_url}/approvals{query}"), task_id)
         return bool(shown)
 
     await eventually(is_listed, 30, f"/approvals to list {task_id}", interval=0.2)
@@ -302,3 +308,52 @@ async def test_no_form_is_taken_without_a_session_and_its_csrf_token(
             status, location, _ = await post(web, base_url, task_id, {**answer, "csrf": csrf})
             assert location.endswith("?done=signal-taken"), "the same form, with its token"
         assert await signal_events(store, task_id) == ["SignalReceived", "TaskResumed"]
+
+
+@pytest.mark.timeout(180)
+async def test_an_untyped_signal_is_asked_for_as_json_and_a_wait_gone_is_said(
+    settings: Settings, store: PostgresEventStore
+) -> None:
+    async with pool(settings, store) as client, console(settings) as base_url, browser() as web:
+        task_id = await waiting_claim(client, store, None, agent="memo")
+        csrf = await sign_in(web, base_url, "ann")
+        form = await listed(web, base_url, task_id, "?signal=comment")
+        assert '<textarea name="payload"' in form and 'name="field.' not in form
+        sent = {"csrf": csrf, "wait": "comment", "nonce": hidden(form, "nonce")}
+        status, _, shown = await post(web, base_url, task_id, {**sent, "payload": "{oops"})
+        assert status == 422 and "Not sent: payload: not JSON" in shown, shown
+        assert await signal_events(store, task_id) == []
+
+        comment = {"text": HOSTILE, "n": [1, 2.5, None]}
+        again = {**sent, "nonce": hidden(article(shown, task_id), "nonce")}
+        status, location, _ = await post(
+            web, base_url, task_id, {**again, "payload": dumps(comment).decode()}
+        )
+        assert (status, location) == (303, f"/tasks/{task_id}?done=signal-taken")
+        assert (await client.result(task_id, timeout=60)).result == comment
+
+        status, _, shown = await post(web, base_url, task_id, {**again, "nonce": "another"})
+        assert status == 409 and f"Task {task_id} is completed and waits for no" in shown
+        status, _, shown = await post(web, base_url, "no-such-task", again)
+        assert status == 404 and "The log has no task &#39;no-such-task&#39;" in shown
+
+
+@pytest.mark.timeout(180)
+async def test_the_approvals_say_when_more_wait_than_they_show(
+    settings: Settings, store: PostgresEventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(approvals_page, "LIMIT", 1)
+    async with pool(settings, store) as client, console(settings) as base_url, browser() as web:
+        first = await waiting_claim(client, store, {"amount": 1})
+        second = await waiting_claim(client, store, {"amount": 2})
+        await listed(web, base_url, first)
+        shown = ""
+
+        async def says_more() -> bool:
+            nonlocal shown
+            shown = await page(web, f"{base_url}/approvals?agent=expenses")
+            return "Only the 1 oldest are shown: more tasks wait." in shown
+
+        await eventually(says_more, 30, "/approvals to say more wait", interval=0.2)
+        assert article(shown, first) and not article(shown, second), "the oldest pause first"
+        assert article(await page(web, f"{base_url}/approvals?agent=memo"), first) == ""
