@@ -147,6 +147,8 @@ def test_blank_optional_fields_are_left_out_so_that_their_defaults_apply() -> No
         "address": {"city": "Lyon"},
     }
     assert Expense.model_validate(made).ratio == 0.5
+    spaces = payload(SCHEMA, {**posted, "field.note": "  "})
+    assert spaces["note"] == "  ", "a text's spaces are its value, not a blank"
 
 
 def test_what_cannot_be_converted_is_refused_naming_each_field() -> None:
@@ -207,7 +209,9 @@ def test_a_field_shows_its_default_then_what_was_posted() -> None:
     assert ticked.checked({}) and not ticked.checked({"wait": "approval"})
 
 
-text = st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=12)
+text = st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=12) | st.sampled_from(
+    ["", " ", "\t", "0", "true", "null", "[]"]
+)
 expenses = st.builds(
     Expense,
     decision=st.sampled_from(["approve", "reject"]),

@@ -161,8 +161,8 @@ def fields(schema: Any) -> list[Field]:
     properties = schema.get("properties") if isinstance(schema, dict) else None
     if not isinstance(properties, dict):
         return [Field(name="", kind="json", title="Payload (JSON)")]
-    required = schema.get("required")
-    required = set(required) if isinstance(required, list) else set()
+    listed = schema.get("required")
+    required = set(listed) if isinstance(listed, list) else set()
     found = []
     for name, raw in properties.items():
         prop = _resolve(schema, raw) if isinstance(raw, dict) else {}
@@ -218,12 +218,14 @@ def payload(schema: Any, form: Mapping[str, Any]) -> Any:
     for field in fields(schema):
         raw = form.get(field.input_name)
         text = raw if isinstance(raw, str) else ""
+        # blank: nothing typed (for a text, spaces are its value)
+        blank = text == "" if field.kind == "text" else not text.strip()
         try:
             if not field.name:
-                return _json(text, field) if text.strip() else None
+                return None if blank else _json(text)
             if field.kind == "checkbox":
                 converted[field.name] = text.lower() in _TRUE
-            elif not text.strip() and (field.kind != "text" or not field.required):
+            elif blank and not (field.kind == "text" and field.required):
                 if field.required:
                     raise ValueError("is required")
                 # blank and optional: left out, so that its default applies
@@ -251,7 +253,7 @@ def _converted(field: Field, text: str) -> Any:
             raise ValueError(f"{text!r} is not {field.hint}") from None
         return text.strip()
     if field.kind == "json":
-        return _json(text, field)
+        return _json(text)
     return text
 
 
@@ -275,7 +277,7 @@ def _number(text: str, integer: bool) -> int | float:
     return number
 
 
-def _json(text: str, field: Field) -> Any:
+def _json(text: str) -> Any:
     try:
         return orjson.loads(text)
     except orjson.JSONDecodeError as error:
