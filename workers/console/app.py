@@ -26,6 +26,7 @@ from urllib.parse import quote, urlencode, urlsplit
 import jinja2
 from aiohttp import web
 
+from waystation.console import forms
 from waystation.console.security import COOKIE, Session, Signer
 
 if TYPE_CHECKING:
@@ -182,6 +183,7 @@ def templates() -> jinja2.Environment:
     environment.filters.update(
         moment=_moment, age=_age, pretty=_pretty, task_url=task_url, with_query=_with_query
     )
+    environment.globals.update(forms.TEMPLATE_GLOBALS)  # the signal form's fields and nonce
     return environment
 
 
