@@ -12,7 +12,7 @@ time.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -41,7 +41,15 @@ from waystation.events.task import TaskState, fold
 from .audit import _parsed
 from .waits import describe_claim, describe_pause
 
-__all__ = ["PastState", "PauseSpan", "TimelineEntry", "pauses", "state_as_of", "timeline"]
+__all__ = [
+    "PastState",
+    "PauseSpan",
+    "TimelineEntry",
+    "pauses",
+    "state_as_of",
+    "states_after",
+    "timeline",
+]
 
 
 # ---- timeline ------------------------------------------------------------------------------------
@@ -355,3 +363,14 @@ def state_as_of(
         position=position,
         at=at,
     )
+
+
+def states_after(task_id: str, events: Sequence[RecordedEvent]) -> Iterator[PastState]:
+    """The task's state after each of its events, in stream order, folded in one pass: each
+    state goes on from the one before (``fold(..., start=)``), so a stream of n events costs n
+    steps, not the n folds from scratch of calling :func:`state_as_of` at every position (a
+    console shows the state after every event of a task of thousands)."""
+    state: TaskState | None = None
+    for event in events:
+        state = fold(task_id, (event,), start=state)
+        yield PastState(state=state, last_event=event, position=event.global_position)

@@ -75,6 +75,26 @@ async def run_tasks(settings: Settings, store: PostgresEventStore, *inputs: int)
     return ids
 
 
+async def tamper(store: PostgresEventStore, stream_id: str, *, version: int) -> None:
+    """Change the value of the result at ``version`` of ``stream_id`` in place, as a superuser
+    could, stepping around the append-only trigger; its hash stays as it was."""
+    async with store.engine.begin() as connection:
+        await connection.execute(
+            text("ALTER TABLE events DISABLE TRIGGER events_no_update_or_delete")
+        )
+        changed = await connection.execute(
+            text(
+                "UPDATE events SET data = jsonb_set(data, '{value}', '12345') "
+                "WHERE stream_id = :s AND stream_version = :v"
+            ),
+            {"s": stream_id, "v": version},
+        )
+        assert changed.rowcount == 1
+        await connection.execute(
+            text("ALTER TABLE events ENABLE TRIGGER events_no_update_or_delete")
+        )
+
+
 async def cli(settings: Settings, *args: str) -> tuple[int, str, str]:
     done = await asyncio.to_thread(run_cli, settings, *args)
     return done.returncode, done.stdout, done.stderr
@@ -139,22 +159,7 @@ async def test_verify_names_the_stream_and_version_of_a_tampered_event(
 ) -> None:
     settings, store = own_log
     tampered, untouched = await run_tasks(settings, store, 3, 4)
-    async with store.engine.begin() as connection:
-        # what a superuser could do: step around the append-only trigger
-        await connection.execute(
-            text("ALTER TABLE events DISABLE TRIGGER events_no_update_or_delete")
-        )
-        changed = await connection.execute(
-            text(
-                "UPDATE events SET data = jsonb_set(data, '{value}', '12345') "
-                "WHERE stream_id = :s AND stream_version = 6"
-            ),
-            {"s": tampered},
-        )
-        assert changed.rowcount == 1
-        await connection.execute(
-            text("ALTER TABLE events ENABLE TRIGGER events_no_update_or_delete")
-        )
+    await tamper(store, tampered, version=6)
     assert [e.event_type for e in await store.read_stream(tampered)][5] == "ResultRecorded"
 
     code, out, err = await cli(settings, "verify", tampered)

@@ -3,7 +3,7 @@ reading back, offline verification, paging the log.
 
 Also the parts of ``waystation.projections.audit`` and ``waystation.projections.history`` that
 export and point-in-time reading rest on: verifying part of a stream, redacted events, unreadable
-schema versions, and ``state_as_of``.
+schema versions, ``state_as_of`` and ``states_after``.
 Streams come from ``tests.unit.test_audit.build`` (the real hash chain) or from the real
 in-memory store.
 """
@@ -47,7 +47,7 @@ from waystation.projections.exported import (
     read_export,
     verify_export,
 )
-from waystation.projections.history import state_as_of, timeline
+from waystation.projections.history import state_as_of, states_after, timeline
 
 from .test_audit import START, TASK, build, fanout, kinds
 
@@ -537,3 +537,16 @@ def test_the_state_as_of_a_time_and_before_anything_happened() -> None:
         None,
     )
     assert state_as_of(TASK, stream, position=0).last_event is None
+
+
+def test_the_states_after_each_event_are_the_states_as_of_each_position() -> None:
+    stream = build(fanout())
+    folded = list(states_after(TASK, stream))
+    assert len(folded) == len(stream)
+    for event, past in zip(stream, folded, strict=True):
+        expected = state_as_of(TASK, stream, position=event.global_position)
+        assert past.last_event is event and past.position == event.global_position
+        assert past.to_json() == expected.to_json()
+        assert past.state == expected.state
+    statuses = [past.state.status for past in folded]
+    assert statuses == ["new", *["paused"] * 7, "resumed", "completed"]

@@ -26,6 +26,7 @@ from urllib.parse import quote, urlencode, urlsplit
 import jinja2
 from aiohttp import web
 
+from waystation.console import forms
 from waystation.console.security import COOKIE, Session, Signer
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from waystation.protocol.wire import Names
     from waystation.settings import Settings
 
-__all__ = ["Sources", "make_app", "render", "session_of", "sources_of"]
+__all__ = ["Sources", "make_app", "render", "session_of", "sources_of", "task_url"]
 
 log = logging.getLogger("waystation.console")
 
@@ -160,7 +161,7 @@ def _pretty(value: Any) -> str:
     return orjson.dumps(shown, option=orjson.OPT_INDENT_2).decode()
 
 
-def _task_url(task_id: str) -> str:
+def task_url(task_id: str) -> str:
     """The page of a task: its id is a path segment, quoted whole, so no id can make the link
     go anywhere else (not even ``javascript:``: the link always starts with ``/tasks/``)."""
     return "/tasks/" + quote(str(task_id), safe="")
@@ -180,8 +181,9 @@ def templates() -> jinja2.Environment:
         lstrip_blocks=True,
     )
     environment.filters.update(
-        moment=_moment, age=_age, pretty=_pretty, task_url=_task_url, with_query=_with_query
+        moment=_moment, age=_age, pretty=_pretty, task_url=task_url, with_query=_with_query
     )
+    environment.globals.update(forms.TEMPLATE_GLOBALS)  # the signal form's fields and nonce
     return environment
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from waystation.console.pages import overview, paused, session
+from waystation.console.pages import approvals, overview, paused, session, signals, task
 
 __all__ = ["MODULES"]
 
-MODULES = [session, overview, paused]
+MODULES = [session, overview, paused, task, approvals, signals]
