@@ -100,7 +100,8 @@ def scene_app() -> App:
         if not task.resumed:
             calls = [Call("researcher", {"topic": topic}) for topic in topics]
             if task.input.get("review"):
-                calls.append(Call("reviewer", {"topics": topics}))
+                # as long as the reviewer waits for its approval
+                calls.append(Call("reviewer", {"topics": topics}, timeout=3600))
             return Pause(calls, update={"asked": len(calls)})
         return Complete(
             {"topics": topics, "answers": [r.value if r.ok else r.outcome for r in task.results]}
