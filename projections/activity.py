@@ -26,7 +26,8 @@ The histogram has fixed log-scale buckets (:data:`LATENCY_BOUNDS`), four per dou
 to about 26 hours, plus one below 1 ms and one above. Buckets are integer counts added up on
 upsert, so the rows are the same whatever batches the log is cut into, and a rebuild from
 position zero reproduces them (G8). :func:`latency_quantile` gives a bucket's geometric middle,
-within 9% (a factor of 2^(1/8)) of the true value between 1 ms and 26 hours.
+within about 9% of the true value between 1 ms and 26 hours (a factor of 2^(1/8) = 1.0905; the
+bounds are whole microseconds, so 1.091 at worst).
 
 Old rows go: each batch deletes the rows more than :data:`KEEP` (24 hours) older than the newest
 minute the log has counted so far, and skips events already that old. The cut-off follows the

@@ -213,7 +213,7 @@ class AgentActivity:
     """Completed and failed tasks in the window with a latency the log can tell."""
     p50_seconds: float | None
     """The median latency, None without samples: the geometric middle of its histogram bucket,
-    within 9% of the true value from 1 ms to 26 hours (shown as 1 ms below, 26.4 h above)."""
+    within about 9% of the true value from 1 ms to 26 hours (shown as 1 ms below, 26.4 h above)."""
     p99_seconds: float | None
     series: list[tuple[datetime, int, int]] = field(default_factory=list)
     """(minute, completed, failed) for every minute of the window, oldest first, zeros

@@ -193,7 +193,7 @@ def _nearest_rank(values: list[float], q: float) -> float:
 
 
 def _close_to(shown: float | None, true: float) -> bool:
-    """A percentile as the histogram gives it: within 9% of the true one from 1 ms up, and
+    """A percentile as the histogram gives it: within about 9% of the true one from 1 ms up, and
     "at most 1 ms" below."""
     assert shown is not None
     if true < 0.001:
