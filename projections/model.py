@@ -21,6 +21,9 @@ reproduces the live tables (G8).
   every task with ``WAYSTATION_AUDIT_ALL_TASKS``), tasks paused now, calls *to* the agent that
   timed out, pauses resumed and their total duration in microseconds (an integer, so the sum is
   exact in any order).
+* Agent activity by the minute (``agent_minutes``): tasks started, completed, failed and
+  cancelled per agent and minute, with a histogram of latencies; its fold, and why it keeps
+  only a day of rows, are in :mod:`waystation.projections.activity`.
 """
 
 from __future__ import annotations
@@ -139,6 +142,10 @@ class FeedEvent:
     """For a ``TaskResumed``: when the pause it ends began."""
     call_agent: str | None = None
     """For a timed-out ``ResultRecorded``: the agent that was called ("" for a signal's wait)."""
+    started_at: datetime | None = None
+    """For a ``TaskCompleted`` or ``TaskFailed``: when the stream's ``TaskStarted`` was recorded,
+    if in an earlier transaction (one recorded with the finish tells nothing of how long the
+    task took)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,14 +38,14 @@ tagged: each must be dead-lettered with its reason, or refused by RabbitMQ itsel
 Then, once nothing is left in any queue or in the outbox, the figures: tasks missing, wrong
 (another answer than their kind's, or two different ones) and duplicated; per task in the log,
 one terminal event, each pause recorded and resumed once, each sub-task claimed once;
-``waystation verify`` and ``waystation projections rebuild paused_tasks|agent_stats --check`` as
-subprocesses; dead letters and their reasons, each explained; the hostile messages' fates; the
-publishes refused, the outbox's oldest row; the faults with their times; the wall time. Printed,
-and written as JSON (``--json``). Exit 0 only if nothing was lost, stuck, unsettled or wrong; 1
-otherwise (each failure named); 2 when this machine cannot run it (no rabbitmqctl or PostgreSQL
-cluster tools). Whatever happens (Ctrl-C included) the processes are stopped, the broker's
-``max_message_size`` set back, the vhost deleted and the cluster dropped; the process logs are
-kept when the run failed (or with ``--keep-logs``).
+``waystation verify`` and ``waystation projections rebuild paused_tasks|agent_stats|agent_minutes
+--check`` as subprocesses; dead letters and their reasons, each explained; the hostile messages'
+fates; the publishes refused, the outbox's oldest row; the faults with their times; the wall
+time. Printed, and written as JSON (``--json``). Exit 0 only if nothing was lost, stuck,
+unsettled or wrong; 1 otherwise (each failure named); 2 when this machine cannot run it (no
+rabbitmqctl or PostgreSQL cluster tools). Whatever happens (Ctrl-C included) the processes are
+stopped, the broker's ``max_message_size`` set back, the vhost deleted and the cluster dropped;
+the process logs are kept when the run failed (or with ``--keep-logs``).
 
 The phases live in ``scripts/_chaos/``: setup (:mod:`_chaos.setup`), drive (:mod:`_chaos.drive`),
 faults (:mod:`_chaos.faults`, with what is sampled meanwhile: :mod:`_chaos.sample`), check

@@ -9,29 +9,52 @@ One module per job; import the names below from here:
 * :mod:`.runner`: ``ProjectionRunner``, one active runner per projection across every instance,
   with failover, woken by NOTIFY with a polling fallback;
 * :mod:`.rebuild`: replay from position zero into shadow tables, compared with the live ones;
-* :mod:`.queries`: each projection's status and lag, and the rows of the read models.
+* :mod:`.queries`: each projection's status and lag, the rows of the read models, and the
+  console overview's reads (agent activity, calls outstanding, slots in use).
 """
 
 from .feed import catch_up, create_engine, read_feed
-from .queries import ProjectionStatus, agent_stats, paused_tasks, projection_status
+from .queries import (
+    AgentActivity,
+    ProjectionStatus,
+    SlotUse,
+    agent_activity,
+    agent_stats,
+    calls_outstanding,
+    paused_tasks,
+    projection_status,
+    slots_in_use,
+)
 from .rebuild import RebuildReport, TableDifference, rebuild
 from .runner import ProjectionRunner
-from .tables import PROJECTIONS, AgentStatsProjection, PausedTasksProjection, Projection
+from .tables import (
+    PROJECTIONS,
+    AgentMinutesProjection,
+    AgentStatsProjection,
+    PausedTasksProjection,
+    Projection,
+)
 
 __all__ = [
     "PROJECTIONS",
+    "AgentActivity",
+    "AgentMinutesProjection",
     "AgentStatsProjection",
     "PausedTasksProjection",
     "Projection",
     "ProjectionRunner",
     "ProjectionStatus",
     "RebuildReport",
+    "SlotUse",
     "TableDifference",
+    "agent_activity",
     "agent_stats",
+    "calls_outstanding",
     "catch_up",
     "create_engine",
     "paused_tasks",
     "projection_status",
     "read_feed",
     "rebuild",
+    "slots_in_use",
 ]

@@ -52,7 +52,9 @@ _FEED = """
                           ORDER BY q.stream_version DESC LIMIT 1), false)
                 ELSE false END,
            p.recorded_at,
-           p.call_agent
+           p.call_agent,
+           CASE WHEN e.event_type IN ('TaskCompleted', 'TaskFailed') AND s.tx_id <> e.tx_id
+                THEN s.recorded_at END
     FROM events e
     LEFT JOIN events s
            ON s.stream_id = e.stream_id AND s.stream_version = 1 AND s.event_type = 'TaskStarted'
@@ -134,6 +136,7 @@ def _feed_event(row: Any) -> FeedEvent:
         while_paused=row[13],
         paused_at=row[14],
         call_agent=row[15],
+        started_at=row[16],
     )
 
 

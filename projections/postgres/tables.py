@@ -13,9 +13,16 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from waystation.events.codec import dumps, loads
 
+from ..activity import fold_agent_minutes
 from ..model import FeedEvent, OpenWait, PausedTask, fold_agent_stats, fold_paused_tasks
 
-__all__ = ["PROJECTIONS", "AgentStatsProjection", "PausedTasksProjection", "Projection"]
+__all__ = [
+    "PROJECTIONS",
+    "AgentMinutesProjection",
+    "AgentStatsProjection",
+    "PausedTasksProjection",
+    "Projection",
+]
 
 
 class Projection(abc.ABC):
@@ -163,6 +170,62 @@ class AgentStatsProjection(Projection):
         )
 
 
+_MINUTE_COUNTS = ("started", "completed", "failed", "cancelled")
+
+
+class AgentMinutesProjection(Projection):
+    """Per agent and minute: tasks started, completed, failed, cancelled, and a latency
+    histogram (:mod:`waystation.projections.activity` says what each counts and why rows older
+    than a day behind the newest go)."""
+
+    name = "agent_minutes"
+    tables = ("agent_minutes",)
+    key = "agent || ' ' || minute"
+
+    async def apply(
+        self, connection: AsyncConnection, events: Sequence[FeedEvent], tables: Mapping[str, str]
+    ) -> None:
+        table = tables["agent_minutes"]
+        # the newest minute counted before this batch: the table's latest row (never deleted)
+        newest = await connection.scalar(text(f"SELECT max(minute) FROM {table}"))
+        changes = fold_agent_minutes(events, newest=newest)
+        if changes.increments:
+            rows = [changes.increments[k] for k in sorted(changes.increments)]
+            counts = ", ".join(_MINUTE_COUNTS)
+            params: dict[str, Any] = {
+                "minutes": [r.minute for r in rows],
+                "agents": [r.agent for r in rows],
+                # one array literal a row: unnest cannot take a two-dimensional array apart
+                "latency": ["{" + ",".join(map(str, r.latency)) + "}" for r in rows],
+            }
+            for column in _MINUTE_COUNTS:
+                params[column] = [getattr(r, column) for r in rows]
+            await connection.execute(
+                text(
+                    f"""
+                    INSERT INTO {table} AS s (minute, agent, {counts}, latency)
+                    SELECT m, a, {counts}, CAST(l AS integer[])
+                    FROM unnest(CAST(:minutes AS timestamptz[]), CAST(:agents AS text[]),
+                                {", ".join(f"CAST(:{c} AS bigint[])" for c in _MINUTE_COUNTS)},
+                                CAST(:latency AS text[]))
+                         AS u(m, a, {counts}, l)
+                    ON CONFLICT (minute, agent) DO UPDATE SET
+                        {", ".join(f"{c} = s.{c} + excluded.{c}" for c in _MINUTE_COUNTS)},
+                        latency = ARRAY(
+                            SELECT x + y
+                            FROM unnest(s.latency, excluded.latency) WITH ORDINALITY AS b(x, y, n)
+                            ORDER BY n)
+                    """
+                ),
+                params,
+            )
+        if changes.cutoff is not None:
+            # as merge_agent_minutes does; nothing to find unless the newest minute moved
+            await connection.execute(
+                text(f"DELETE FROM {table} WHERE minute < :cutoff"), {"cutoff": changes.cutoff}
+            )
+
+
 PROJECTIONS: dict[str, Projection] = {
-    p.name: p for p in (PausedTasksProjection(), AgentStatsProjection())
+    p.name: p for p in (PausedTasksProjection(), AgentStatsProjection(), AgentMinutesProjection())
 }

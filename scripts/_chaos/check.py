@@ -1,9 +1,9 @@
 """The chaos run's checks, once nothing is left in any queue or in the outbox: tasks missing,
 wrong and duplicated; per task in the log, one terminal event, each pause recorded and resumed
 once, each sub-task claimed once; ``waystation verify`` and ``waystation projections rebuild
-paused_tasks|agent_stats --check``; dead letters and their reasons, each explained; the hostile
-messages' fates; the publishes refused, the outbox's oldest row; the faults. The figures, and
-every loss or wrongness as a failure.
+paused_tasks|agent_stats|agent_minutes --check``; dead letters and their reasons, each
+explained; the hostile messages' fates; the publishes refused, the outbox's oldest row; the
+faults. The figures, and every loss or wrongness as a failure.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from .plan import OVERSIZED_KINDS, expected_answer
 from .sample import check_broker_limit, counter_totals, read_counters
 from .setup import Chaos
 
-PROJECTIONS = ("paused_tasks", "agent_stats")
+PROJECTIONS = ("paused_tasks", "agent_stats", "agent_minutes")
 CLI_TIMEOUT = 300.0
 DEAD_LETTERS_READ = 100_000
 
@@ -147,8 +147,7 @@ async def check(chaos: Chaos, inputs: dict[str, dict[str, Any]]) -> None:
         "log": {"events_in_log": len(rows), **log.to_json()},
         "verify_exit": cli["verify"][0],
         "verify": cli["verify"][1],
-        "rebuild_paused_tasks_check_exit": cli["paused_tasks"][0],
-        "rebuild_agent_stats_check_exit": cli["agent_stats"][0],
+        **{f"rebuild_{name}_check_exit": cli[name][0] for name in PROJECTIONS},
         "projections_caught_up": caught_up,
         "paused_tasks_left": paused_left,
         "agent_stats_orchestrator_completed": cli["completed"],
@@ -287,13 +286,9 @@ def judge(
         ),
         (not log.unexpected_streams, f"{len(log.unexpected_streams)} unexpected streams"),
         (cli["verify"][0] == 0, f"waystation verify exited {cli['verify'][0]}"),
-        (
-            cli["paused_tasks"][0] == 0,
-            f"projections rebuild paused_tasks --check exited {cli['paused_tasks'][0]}",
-        ),
-        (
-            cli["agent_stats"][0] == 0,
-            f"projections rebuild agent_stats --check exited {cli['agent_stats'][0]}",
+        *(
+            (cli[name][0] == 0, f"projections rebuild {name} --check exited {cli[name][0]}")
+            for name in PROJECTIONS
         ),
         (caught_up, "the projections did not catch up with the log within 60s"),
         (paused_left == 0, f"{paused_left} tasks still paused in the paused_tasks projection"),

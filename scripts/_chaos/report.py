@@ -119,6 +119,7 @@ def print_figures(figures: dict[str, Any], failures: list[str], elapsed: float) 
         ("waystation verify", f"exit {figures['verify_exit']}: {figures['verify']}"),
         ("rebuild paused_tasks --check", f"exit {figures['rebuild_paused_tasks_check_exit']}"),
         ("rebuild agent_stats --check", f"exit {figures['rebuild_agent_stats_check_exit']}"),
+        ("rebuild agent_minutes --check", f"exit {figures['rebuild_agent_minutes_check_exit']}"),
         (
             "projections",
             f"{figures['paused_tasks_left']} tasks left paused; agent_stats: "

@@ -1,5 +1,5 @@
-"""Fixtures of the integration tests: a plain AMQP channel, cleanup of test-only agents, and the
-file test apps' workers write their runs to."""
+"""Fixtures of the integration tests: a plain AMQP channel, cleanup of test-only agents, the
+file test apps' workers write their runs to, and a database of a test's own for projections."""
 
 from __future__ import annotations
 
@@ -10,8 +10,13 @@ import aio_pika
 import pytest
 import pytest_asyncio
 from aio_pika.abc import AbstractChannel
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from scripts.lab.harness.broker import delete_topology
+from scripts.lab.harness.database import fresh_database_url
+from waystation import migrations
+from waystation.events.postgres import PostgresEventStore
+from waystation.projections.postgres import create_engine
 
 from ..support import Services
 
@@ -39,3 +44,18 @@ async def extra_agents(services: Services, queue_prefix: str) -> AsyncIterator[l
     agents: list[str] = []
     yield agents
     await delete_topology(services.amqp_url, queue_prefix, agents)
+
+
+@pytest_asyncio.fixture
+async def log_db(services: Services) -> AsyncIterator[tuple[PostgresEventStore, AsyncEngine]]:
+    """A fresh database of this test's own: the log's store and an engine for projections."""
+    url = fresh_database_url(services.admin_database_url)
+    await migrations.upgrade(url)
+    store = PostgresEventStore.from_url(url, pool_size=10)
+    engine = create_engine(url)
+    try:
+        yield store, engine
+    finally:
+        await engine.dispose()
+        await store.close()
+        await migrations.drop_database(url)

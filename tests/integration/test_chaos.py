@@ -86,6 +86,7 @@ def test_the_quick_chaos_run_loses_nothing_and_records_nothing_twice(
     assert figures["verify_exit"] == 0, output
     assert figures["rebuild_paused_tasks_check_exit"] == 0, output
     assert figures["rebuild_agent_stats_check_exit"] == 0, output
+    assert figures["rebuild_agent_minutes_check_exit"] == 0, output
     dead = figures["dead_letters"]
     assert dead["unexplained"] == 0, output
     assert dead["of_tasks"].get("refused", 0) >= kinds["full-never"], output

@@ -13,13 +13,11 @@ import asyncio
 import random
 import time
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from alembic import command as alembic_command
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -56,24 +54,10 @@ from waystation.projections.postgres import (
 from waystation.settings import Settings
 
 from ..support import Services, eventually, serving_cluster
+from .test_agent_activity import expected_minutes, minute_rows
 from .test_cli import run_cli
 
 pytestmark = pytest.mark.integration
-
-
-@pytest_asyncio.fixture
-async def log_db(services: Services) -> AsyncIterator[tuple[PostgresEventStore, AsyncEngine]]:
-    """A fresh database of this test's own: the log's store and an engine for projections."""
-    url = fresh_database_url(services.admin_database_url)
-    await migrations.upgrade(url)
-    store = PostgresEventStore.from_url(url, pool_size=10)
-    engine = create_engine(url)
-    try:
-        yield store, engine
-    finally:
-        await engine.dispose()
-        await store.close()
-        await migrations.drop_database(url)
 
 
 async def _streams(
@@ -211,8 +195,13 @@ async def test_the_runner_under_8_concurrent_writers_equals_the_streams_and_a_re
     expected = _expected_paused(streams)
     assert await _paused_rows(engine) == expected, f"seed {seed}"
     assert await agent_stats(engine) == _expected_stats(streams), f"seed {seed}"
+    minutes = expected_minutes(streams)
+    assert await minute_rows(engine) == minutes, f"seed {seed}"
+    assert sum(sum(row["latency"]) for row in minutes.values()) > 50, "too few latencies"
     events = sum(len(e) for e in streams.values())
-    assert sum(runner.applied.values()) == 2 * events, "each projection applies each event once"
+    assert sum(runner.applied.values()) == len(PROJECTIONS) * events, (
+        "each projection applies each event once"
+    )
 
     for projection in PROJECTIONS.values():
         report = await rebuild(engine, projection, check_only=True)
@@ -230,9 +219,11 @@ async def test_a_rebuild_finds_damage_to_the_live_tables_and_repairs_it(
             await catch_up(connection, projection)
         before = await _paused_rows(engine)
         stats_before = await agent_stats(engine)
+        minutes_before = await minute_rows(engine)
         victim = sorted(before)[0]
         await connection.execute(text("DELETE FROM paused_tasks WHERE task_id = :t"), {"t": victim})
         await connection.execute(text("UPDATE agent_stats SET completed = completed + 5"))
+        await connection.execute(text("UPDATE agent_minutes SET latency[50] = latency[50] + 1"))
         await connection.commit()
 
     paused = PROJECTIONS["paused_tasks"]
@@ -248,12 +239,19 @@ async def test_a_rebuild_finds_damage_to_the_live_tables_and_repairs_it(
     (difference,) = checked.differences
     assert difference.only_live == difference.only_rebuilt == len(stats_before)
 
-    for projection in (paused, stats):
+    minutes = PROJECTIONS["agent_minutes"]
+    checked = await rebuild(engine, minutes, check_only=True)
+    (difference,) = checked.differences
+    assert difference.only_live == difference.only_rebuilt == len(minutes_before)
+    assert all(key.split()[0] in {a for a, _ in minutes_before} for key in difference.sample_keys)
+
+    for projection in (paused, stats, minutes):
         repaired = await rebuild(engine, projection)
         assert repaired.swapped and not repaired.identical
         assert (await rebuild(engine, projection, check_only=True)).identical
     assert await _paused_rows(engine) == before
     assert await agent_stats(engine) == stats_before
+    assert await minute_rows(engine) == minutes_before
 
 
 @pytest.mark.timeout(180)
@@ -404,6 +402,7 @@ async def test_the_cli_lists_paused_tasks_statistics_and_checks_a_rebuild(
     assert {p["name"]: p["behind"] for p in loads(shown.stdout)} == {
         "paused_tasks": behind,
         "agent_stats": behind,
+        "agent_minutes": behind,
     }
     async with engine.connect() as connection:
         for projection in PROJECTIONS.values():
@@ -453,6 +452,10 @@ async def test_the_cli_lists_paused_tasks_statistics_and_checks_a_rebuild(
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "the live table matches the rebuild" in checked.stdout
+    checked = await asyncio.to_thread(
+        run_cli, settings, "projections", "rebuild", "agent_minutes", "--check"
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
     async with engine.connect() as connection:
         await connection.execute(text("UPDATE paused_tasks SET pause = pause + 1"))
         await connection.commit()

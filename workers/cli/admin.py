@@ -37,7 +37,8 @@ def upgrade() -> None:
 
 @click.group(name="projections")
 def projections_group() -> None:
-    """Asynchronous projections (paused tasks, agent statistics): run, status, rebuild."""
+    """Asynchronous projections (paused tasks, agent statistics, agent activity by the minute):
+    run, status, rebuild."""
 
 
 @projections_group.command(name="status")
@@ -77,7 +78,7 @@ def readable_age(seconds: float) -> str:
 
 
 @projections_group.command(name="rebuild")
-@click.argument("name", type=click.Choice(["paused_tasks", "agent_stats"]))
+@click.argument("name", type=click.Choice(["paused_tasks", "agent_stats", "agent_minutes"]))
 @click.option("--check", is_flag=True, help="Only compare with the live table; change nothing.")
 @click.option("--json", "as_json", is_flag=True, help="JSON instead of a report.")
 def rebuild_projection(name: str, check: bool, as_json: bool) -> None:
