@@ -345,3 +345,43 @@ async def test_the_cli_replays_one_letter_by_its_message_id(
     assert done.returncode == 0, done.stderr
     assert [letter["message_id"] for letter in orjson.loads(done.stdout)] == ["second"]
     assert await _letters_in(settings) == ["first"]
+
+
+async def test_hostile_metadata_is_escaped_and_links_stay_in_the_console(
+    settings: Settings, amqp_channel: AbstractChannel
+) -> None:
+    names = Names(settings.queue_prefix)
+    await declare(amqp_channel, names, [])
+    dlx = await amqp_channel.get_exchange(names.dead_letter_exchange)
+    await dlx.publish(
+        aio_pika.Message(
+            SCRIPT.encode(),
+            message_id=HOSTILE,
+            correlation_id="javascript:alert(1)",
+            headers={
+                "x-waystation-reason": SCRIPT,
+                "x-waystation-detail": HOSTILE,
+                "x-waystation-queue": settings.queue_prefix + HOSTILE,
+                "x-waystation-dead-lettered-at": HOSTILE,
+            },
+        ),
+        routing_key="",
+    )
+    async with console(settings) as base, browser() as session:
+        csrf = await sign_in(session, base, "ops")
+        page = await _get(session, f"{base}/dead-letters")
+        confirm = await _get(session, f"{base}/dead-letters/confirm?reason={SCRIPT}")
+        async with session.post(
+            f"{base}/dead-letters/replay",
+            data={"csrf": csrf, "reason": SCRIPT},
+            allow_redirects=False,
+        ) as response:
+            assert response.status == 303
+            assert response.headers["Location"].startswith("/dead-letters/confirm?reason=%3C")
+    for shown in (page, confirm):
+        assert "<img" not in shown and "<script>alert" not in shown
+        assert "javascript:" not in shown.replace(">javascript:alert(1)<", "")
+        assert 'href="/tasks/javascript%3Aalert%281%29"' in shown
+    assert _rows(page) == [_escaped(HOSTILE)]
+    assert f'name="reason" value="{_escaped(SCRIPT)}"' in page
+    assert "Replay 1 letter</button>" in confirm
