@@ -24,7 +24,7 @@ from urllib.parse import urlencode
 import orjson
 from aiohttp import web
 
-from waystation.console.app import _pretty, render, sources_of
+from waystation.console.app import pretty, render, sources_of
 from waystation.events import parse_subtask_id
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def _row(letter: DeadLetter, sources: Sources) -> Row:
     decoded: Any = None
     try:
         decoded = orjson.loads(letter.body)
-        text, is_json = _pretty(decoded), True
+        text, is_json = pretty(decoded), True
     except (TypeError, ValueError, RecursionError):  # not JSON, or JSON too deep to show
         text, is_json = letter.body.decode("utf-8", errors="replace"), False
     return Row(
