@@ -354,15 +354,20 @@ class SlotUse:
 
 async def slots_in_use(engine: AsyncEngine) -> list[SlotUse]:
     """Every prepared limit of every agent, by deployment, agent and kind: its slots held now
-    against the slots it has."""
+    against the slots it has.
+
+    The table also holds the claims of reply shards (``<agent>.replies.<n>``: which worker
+    calls a shard its home, ``waystation.runtime.routing.home_key``); they are no agent's limit
+    and are left out."""
     async with engine.connect() as connection:
         result = await connection.execute(
             text(
-                """
+                r"""
                 SELECT deployment, agent, kind,
                        count(*) FILTER (WHERE lease IS NOT NULL AND expires_at > now()),
                        count(*)
                 FROM pool_slots
+                WHERE agent !~ '\.replies\.[0-9]+$'
                 GROUP BY deployment, agent, kind
                 ORDER BY deployment, agent, kind
                 """

@@ -59,6 +59,7 @@ COMMANDS = [
     ("db", "upgrade"),
     ("schema",),
     ("agents",),
+    ("console",),
 ]
 
 

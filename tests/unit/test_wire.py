@@ -55,3 +55,19 @@ def test_a_resume_run_in_place_that_pauses_again_implies_only_its_requests() -> 
     assert [(m.properties["type"], m.routing_key, m.message_id) for m in messages] == [
         (TYPE_TASK, "t.helper", "task-1:2:0")
     ]
+
+
+def test_the_agent_of_a_queue_is_the_inverse_of_its_names() -> None:
+    sharded = Names("t.", reply_shards=2)
+    for queue in (sharded.tasks("boss"), *sharded.reply_queues("boss")):
+        assert NAMES.agent_of(queue) == "boss", queue
+    assert NAMES.agent_of("t.with.dots.replies.7") == "with.dots"
+    for queue in (
+        NAMES.dead_letter_queue,
+        NAMES.wait(500),
+        "other.boss",  # another deployment's
+        "amq.gen-abc",  # a publisher's reply queue
+        "t.",
+        "t..replies",
+    ):
+        assert NAMES.agent_of(queue) is None, queue

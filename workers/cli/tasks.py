@@ -177,16 +177,32 @@ def list_dead_letters(limit: int, as_json: bool) -> None:
 
 @dead_letters.command(name="replay")
 @click.option("--reason", help="Only dead letters of this reason (e.g. handler-failed).")
-@click.option("--limit", type=int, default=50, show_default=True, help="At most this many.")
+@click.option("--message-id", help="Only the dead letter with this message id (see `list`).")
+@click.option(
+    "--limit",
+    type=int,
+    default=50,
+    show_default=True,
+    help="Look at this many letters of the queue, at most.",
+)
 @click.option("--json", "as_json", is_flag=True, help="JSON instead of a table.")
-def replay_dead_letters(reason: str | None, limit: int, as_json: bool) -> None:
-    """Send dead letters back to the queue they came from (after fixing the cause)."""
+def replay_dead_letters(
+    reason: str | None, message_id: str | None, limit: int, as_json: bool
+) -> None:
+    """Send dead letters back to the queue they came from (after fixing the cause). A letter
+    whose queue no longer exists stays a dead letter."""
     from waystation.brokers.amqp.deadletters import replay
     from waystation.protocol.wire import Names
 
     settings = load_settings()
     letters = run(
-        replay(settings.amqp_url, Names(settings.queue_prefix), reason=reason, limit=limit)
+        replay(
+            settings.amqp_url,
+            Names(settings.queue_prefix),
+            reason=reason,
+            message_id=message_id,
+            limit=limit,
+        )
     )
     _print_letters(letters, as_json)
     if not as_json:

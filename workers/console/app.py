@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from waystation.protocol.wire import Names
     from waystation.settings import Settings
 
-__all__ = ["Sources", "make_app", "render", "session_of", "sources_of", "task_url"]
+__all__ = ["Sources", "make_app", "pretty", "render", "session_of", "sources_of", "task_url"]
 
 log = logging.getLogger("waystation.console")
 
@@ -148,7 +148,7 @@ def _age(value: datetime | float | None) -> str:
     return readable_age(seconds) if seconds >= 0 else f"in {readable_age(-seconds)}"
 
 
-def _pretty(value: Any) -> str:
+def pretty(value: Any) -> str:
     """``value`` as indented JSON, redacted as ``waystation export`` redacts by default (a
     checkpoint's ``security_context`` shows as its hash): what a console shows, an export
     would too."""
@@ -181,7 +181,7 @@ def templates() -> jinja2.Environment:
         lstrip_blocks=True,
     )
     environment.filters.update(
-        moment=_moment, age=_age, pretty=_pretty, task_url=task_url, with_query=_with_query
+        moment=_moment, age=_age, pretty=pretty, task_url=task_url, with_query=_with_query
     )
     environment.globals.update(forms.TEMPLATE_GLOBALS)  # the signal form's fields and nonce
     return environment

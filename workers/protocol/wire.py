@@ -44,6 +44,7 @@ from waystation.observability import tracing
 __all__ = [
     "CONTENT_TYPE",
     "HEADER_ATTEMPTS",
+    "HEADER_DEAD_LETTERED_AT",
     "HEADER_DETAIL",
     "HEADER_QUEUE",
     "HEADER_REASON",
@@ -94,6 +95,8 @@ HEADER_REASON = "x-waystation-reason"
 HEADER_DETAIL = "x-waystation-detail"
 HEADER_QUEUE = "x-waystation-queue"
 """On a dead letter: the queue it came from (where a replay sends it back)."""
+HEADER_DEAD_LETTERED_AT = "x-waystation-dead-lettered-at"
+"""On a dead letter: when the worker dead-lettered it (ISO 8601, UTC, in milliseconds)."""
 
 MAX_ID_BYTES = 255
 """Bytes of an AMQP short string: a message id, a correlation id, a queue name."""
@@ -105,6 +108,10 @@ TYPE_QUERY = "query"
 TYPE_SIGNAL = "signal"
 TYPE_RESULT = "result"
 TYPE_PROGRESS = "progress"
+
+
+_REPLY_SUFFIX = re.compile(r"\.replies(\.[0-9]+)?\Z")
+_WAIT_QUEUE = re.compile(r"retry-wait\.[0-9]+ms")  # (what Names.wait makes after the prefix)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +138,15 @@ class Names:
             self.replies(agent),
             *(self.reply_shard(agent, n) for n in range(self.reply_shards)),
         ]
+
+    def agent_of(self, queue: str) -> str | None:
+        """The agent whose task queue, reply queue or reply shard ``queue`` is (the inverse of
+        :meth:`tasks` and :meth:`replies`); None for a queue of another prefix or of the
+        deployment itself (the dead-letter queue, a wait queue)."""
+        if not queue.startswith(self.prefix) or queue == self.dead_letter_queue:
+            return None
+        rest = _REPLY_SUFFIX.sub("", queue[len(self.prefix) :])
+        return rest if rest and not _WAIT_QUEUE.fullmatch(rest) else None
 
     @property
     def dead_letter_exchange(self) -> str:

@@ -40,6 +40,7 @@ import re
 import time
 import uuid
 from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
 from waystation.brokers.metadata import sendable
@@ -58,6 +59,7 @@ from waystation.observability.observer import Observer
 from waystation.protocol.intake import Rejection
 from waystation.protocol.wire import (
     HEADER_ATTEMPTS,
+    HEADER_DEAD_LETTERED_AT,
     HEADER_DETAIL,
     HEADER_QUEUE,
     HEADER_REASON,
@@ -92,6 +94,12 @@ _AGENT_REPLIES = re.compile(r".*\.replies(\.\d+)?")
 REFUSAL_RETRIES = (0.2, 0.5, 1.0)
 """Seconds between the tries of a publish the broker refuses (a nack), in place, before the
 refusal is the caller's (``Settler._publish``)."""
+
+
+def _now() -> str:
+    """Now, as a dead letter's ``HEADER_DEAD_LETTERED_AT`` says it (what the console's age of
+    a letter is counted from)."""
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
 def _copy(
@@ -291,6 +299,7 @@ class Settler:
             HEADER_DETAIL: detail[:1000],
             HEADER_QUEUE: message.routing_key,
             HEADER_WORKER: self.worker_id,
+            HEADER_DEAD_LETTERED_AT: _now(),
         }
         letter = replace(
             kept,
@@ -398,6 +407,7 @@ class Settler:
                 HEADER_DETAIL: rejection.detail[:1000],
                 HEADER_QUEUE: delivery.queue,
                 HEADER_WORKER: self.worker_id,
+                HEADER_DEAD_LETTERED_AT: _now(),
             }
         )
         copy = _copy(delivery, delivery.queue, headers, exchange=self.names.dead_letter_exchange)

@@ -1,15 +1,21 @@
 """Inspecting and replaying the dead-letter queue (what ``waystation dead-letters`` runs).
 
 A dead letter keeps its body and properties; the worker that dead-lettered it added
-``x-waystation-reason``, ``x-waystation-detail`` and ``x-waystation-queue`` (where it came from).
-Messages the broker dead-lettered by itself (the policy's delivery limit) carry RabbitMQ's
-``x-first-death-queue`` and ``x-first-death-reason`` instead.
+``x-waystation-reason``, ``x-waystation-detail``, ``x-waystation-queue`` (where it came from)
+and ``x-waystation-dead-lettered-at`` (when). Messages the broker dead-lettered by itself (the
+policy's delivery limit) carry RabbitMQ's ``x-first-death-queue``, ``x-first-death-reason`` and
+``x-death`` (with its time) instead.
+
+The queue is read by taking letters and putting them back: a letter being looked at is, for that
+moment, invisible to anyone else reading the queue (another console, ``dead-letters list``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import aio_pika
@@ -17,9 +23,17 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from waystation.brokers.amqp.transport import guarded_connection
 from waystation.brokers.metadata import sendable
-from waystation.protocol.wire import HEADER_DETAIL, HEADER_QUEUE, HEADER_REASON, Names
+from waystation.protocol.wire import (
+    HEADER_DEAD_LETTERED_AT,
+    HEADER_DETAIL,
+    HEADER_QUEUE,
+    HEADER_REASON,
+    Names,
+)
 
 __all__ = ["DeadLetter", "browse", "count", "replay"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +46,8 @@ class DeadLetter:
     queue: str | None
     """The queue it came from, where a replay sends it back."""
     body: bytes
+    dead_lettered_at: datetime | None = None
+    """When, as far as the letter says (None when it does not)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -42,6 +58,9 @@ class DeadLetter:
             "detail": self.detail,
             "queue": self.queue,
             "body": self.body.decode("utf-8", errors="replace"),
+            "dead_lettered_at": (
+                self.dead_lettered_at.isoformat() if self.dead_lettered_at is not None else None
+            ),
         }
 
 
@@ -57,7 +76,29 @@ def _describe(message: AbstractIncomingMessage) -> DeadLetter:
         detail=str(headers.get(HEADER_DETAIL) or ""),
         queue=str(queue) if queue else None,
         body=message.body,
+        dead_lettered_at=_dead_lettered_at(message, headers),
     )
+
+
+def _dead_lettered_at(message: AbstractIncomingMessage, headers: Any) -> datetime | None:
+    """When ``message`` was dead-lettered: the worker's header, else the time of RabbitMQ's
+    latest ``x-death`` (the first entry), else its ``timestamp`` property (when it was
+    published, if its publisher said). Whatever is not a time is passed over: headers come from
+    publishers too."""
+    stamp = headers.get(HEADER_DEAD_LETTERED_AT)
+    if isinstance(stamp, str):
+        try:
+            moment = datetime.fromisoformat(stamp)
+        except ValueError:
+            pass
+        else:
+            return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+    deaths = headers.get("x-death")
+    if isinstance(deaths, list) and deaths and isinstance(deaths[0], dict):
+        moment = deaths[0].get("time")
+        if isinstance(moment, datetime):
+            return moment
+    return message.timestamp if isinstance(message.timestamp, datetime) else None
 
 
 async def _take(
@@ -76,12 +117,27 @@ async def _take(
     try:
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
         queue = await channel.declare_queue(names.dead_letter_queue, passive=True)
+        # only the letters there now: a replayed message its worker dead-letters again at once
+        # arrives behind them, and is not taken (and replayed again, and again) in this round
+        limit = min(limit, queue.declaration_result.message_count or 0)
         while len(seen) < limit:
             message = await queue.get(fail=False)
             if message is None:
                 break
             letter = _describe(message)
-            if await act(channel, message, letter):
+            try:
+                done = await act(channel, message, letter)
+            except aio_pika.exceptions.DeliveryError as refused:
+                # the broker returned what ``act`` published (no queue of that name any more)
+                # or refused it: the letter stays, nothing is lost
+                log.warning(
+                    "dead letter %s stays: %s refused it (%s)",
+                    letter.message_id,
+                    letter.queue,
+                    refused,
+                )
+                done = False
+            if done:
                 await message.ack()
             else:
                 kept.append(message)
@@ -120,20 +176,31 @@ async def browse(amqp_url: str, names: Names, limit: int = 50) -> list[DeadLette
 
 
 async def replay(
-    amqp_url: str, names: Names, *, reason: str | None = None, limit: int = 50
+    amqp_url: str,
+    names: Names,
+    *,
+    reason: str | None = None,
+    message_id: str | None = None,
+    limit: int = 50,
 ) -> list[DeadLetter]:
-    """Send dead letters (of ``reason``, if given) back to the queue they came from.
+    """Send dead letters (of ``reason`` and with ``message_id``, each if given) back to the
+    queue they came from, among the first ``limit`` letters of the queue.
 
     Each is republished with its body and properties, without the dead-letter headers, and
     acked from the dead-letter queue only once the broker confirmed the republish. Returns the
-    ones replayed; the others stay in the queue.
+    ones replayed; the others stay in the queue, among them those whose queue no longer exists
+    or refused them.
     """
     replayed: list[DeadLetter] = []
 
     async def send_back(
         channel: aio_pika.abc.AbstractChannel, message: AbstractIncomingMessage, letter: DeadLetter
     ) -> bool:
-        if letter.queue is None or (reason is not None and letter.reason != reason):
+        if (
+            letter.queue is None
+            or (reason is not None and letter.reason != reason)
+            or (message_id is not None and letter.message_id != message_id)
+        ):
             return False
         headers = sendable(
             {

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-from waystation.console.pages import approvals, overview, paused, session, signals, task
+from waystation.console.pages import (
+    approvals,
+    dead_letters,
+    overview,
+    paused,
+    session,
+    signals,
+    task,
+)
 
 __all__ = ["MODULES"]
 
-MODULES = [session, overview, paused, task, approvals, signals]
+MODULES = [session, overview, paused, task, approvals, signals, dead_letters]
