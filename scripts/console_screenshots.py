@@ -66,7 +66,13 @@ async def photograph(scene: Scene, out: Path) -> list[str]:
                 status = response.status if response is not None else None
                 if status != 200:
                     problems.append(f"{path} answered {status}")
-                await page.screenshot(path=str(out / name), full_page=True)
+                width, height = await page.evaluate(
+                    "[document.documentElement.scrollWidth, document.documentElement.scrollHeight]"
+                )
+                if width > WIDTH:  # said, not hidden: the picture is cut at WIDTH
+                    print(f"console-screenshots: {path} is {width} px wide in a {WIDTH} px window")
+                clip = {"x": 0, "y": 0, "width": WIDTH, "height": height}
+                await page.screenshot(path=str(out / name), full_page=True, clip=clip)
                 print(f"console-screenshots: {out / name} ({path}, {status})")
         finally:
             await browser.close()
