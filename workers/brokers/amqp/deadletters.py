@@ -4,22 +4,51 @@ A dead letter keeps its body and properties; the worker that dead-lettered it ad
 ``x-waystation-reason``, ``x-waystation-detail`` and ``x-waystation-queue`` (where it came from).
 Messages the broker dead-lettered by itself (the policy's delivery limit) carry RabbitMQ's
 ``x-first-death-queue`` and ``x-first-death-reason`` instead.
+
+A replay given the event store is recorded in the log: one ``DeadLettersReplayed`` per replay, in
+the operations stream (``waystation.events.operations``), naming who replayed (``actor``) and
+what went back where.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
+from yarl import URL
 
 from waystation.brokers.amqp.transport import guarded_connection
 from waystation.brokers.metadata import sendable
-from waystation.protocol.wire import HEADER_DETAIL, HEADER_QUEUE, HEADER_REASON, Names
+from waystation.events import DeadLettersReplayed, EventStore
+from waystation.events.operations import append_operation
+from waystation.protocol.actors import clean_actor
+from waystation.protocol.wire import (
+    HEADER_ACTOR,
+    HEADER_DETAIL,
+    HEADER_QUEUE,
+    HEADER_REASON,
+    Names,
+)
 
-__all__ = ["DeadLetter", "browse", "replay"]
+__all__ = ["DeadLetter", "ReplayNotRecorded", "browse", "replay"]
+
+log = logging.getLogger(__name__)
+
+
+class ReplayNotRecorded(Exception):
+    """Dead letters were replayed (``replayed``), but the log could not record it (``cause``)."""
+
+    def __init__(self, replayed: list[DeadLetter], cause: BaseException) -> None:
+        super().__init__(
+            f"{len(replayed)} dead letter(s) were replayed, but the log did not record it: "
+            f"{cause!r}"
+        )
+        self.replayed = replayed
+        self.cause = cause
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,13 +132,27 @@ async def browse(amqp_url: str, names: Names, limit: int = 50) -> list[DeadLette
 
 
 async def replay(
-    amqp_url: str, names: Names, *, reason: str | None = None, limit: int = 50
+    amqp_url: str,
+    names: Names,
+    *,
+    reason: str | None = None,
+    limit: int = 50,
+    store: EventStore | None = None,
+    actor: str | None = None,
 ) -> list[DeadLetter]:
     """Send dead letters (of ``reason``, if given) back to the queue they came from.
 
-    Each is republished with its body and properties, without the dead-letter headers, and
-    acked from the dead-letter queue only once the broker confirmed the republish. Returns the
-    ones replayed; the others stay in the queue.
+    Each is republished with its body and properties, without the dead-letter headers (but
+    with the actor a cancel or a signal named), and acked from the dead-letter queue only once
+    the broker confirmed the republish. Returns the ones replayed; the others stay in the queue.
+
+    With ``store``, the replay is recorded once it is done: one ``DeadLettersReplayed`` event in
+    the operations stream naming ``actor`` (cleaned as the worker cleans a header's), the
+    ``reason`` filter, the letters' message ids and queues, for the letters actually
+    republished (none: nothing is recorded). If that append fails, the replay has happened all
+    the same (the letters are back in their queues and gone from the dead-letter queue): the
+    failure is logged as an error naming every message id, and :class:`ReplayNotRecorded`
+    raised with the letters replayed, for the caller to report and exit non-zero.
     """
     replayed: list[DeadLetter] = []
 
@@ -122,8 +165,13 @@ async def replay(
             {
                 key: value
                 for key, value in (message.headers or {}).items()
-                if not key.startswith(("x-waystation-", "x-death", "x-first-death", "x-last-death"))
-                and key != "x-delivery-count"
+                if key == HEADER_ACTOR
+                or (
+                    not key.startswith(
+                        ("x-waystation-", "x-death", "x-first-death", "x-last-death")
+                    )
+                    and key != "x-delivery-count"
+                )
             }
         )
         await channel.default_exchange.publish(
@@ -144,4 +192,43 @@ async def replay(
         return True
 
     await _take(amqp_url, names, limit, send_back)
+    if store is not None and replayed:
+        await _record(store, replayed, names, amqp_url, reason=reason, actor=clean_actor(actor))
     return replayed
+
+
+async def _record(
+    store: EventStore,
+    replayed: list[DeadLetter],
+    names: Names,
+    amqp_url: str,
+    *,
+    reason: str | None,
+    actor: str | None,
+) -> None:
+    """Record a replay that happened (see :func:`replay`)."""
+    event = DeadLettersReplayed(
+        actor=actor,
+        reason=reason,
+        count=len(replayed),
+        message_ids=tuple(letter.message_id for letter in replayed),
+        queues=tuple(sorted({letter.queue for letter in replayed if letter.queue})),
+    )
+    try:
+        await append_operation(
+            store,
+            event,
+            actor=actor,
+            amqp_user=URL(amqp_url).user or "guest",
+            deployment=names.prefix,
+        )
+    except Exception as error:
+        log.error(
+            "REPLAYED BUT NOT RECORDED: %d dead letter(s) went back to their queues (%s) but "
+            "the log could not record it: %r; message ids: %s",
+            len(replayed),
+            ", ".join(event.queues),
+            error,
+            ", ".join(str(m) for m in event.message_ids),
+        )
+        raise ReplayNotRecorded(replayed, error) from error

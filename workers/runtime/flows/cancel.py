@@ -2,6 +2,9 @@
 
 A cancel racing a resume is settled by the log: whichever commits first wins, and the other is
 refused by the version check and decided again on what is there.
+
+Who cancelled, when the publisher named them (the ``x-waystation-actor`` header, cleaned), is
+the ``actor`` of the ``TaskCancelled`` metadata, and goes on the cancels sent to its peers.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Any
 from waystation.agent import AgentSpec
 from waystation.brokers.port import Delivery
 from waystation.events import TaskState, decide_cancel
+from waystation.protocol.actors import actor_of
 from waystation.protocol.wire import ResultEnvelope, derived_id, result_message
 from waystation.runtime.flows.base import Steps
 from waystation.runtime.recorder import Cause
@@ -45,7 +49,7 @@ async def handle_cancel(steps: Steps, delivery: Delivery, spec: AgentSpec, body:
         task_id,
         lambda current: decide_cancel(current, reason),
         key=lambda _: "cancel",
-        cause=Cause.of(delivery),
+        cause=Cause.of(delivery, actor=actor_of(delivery.headers)),
         step="cancel",
         describe_new=lambda current: TaskState(task_id=task_id, agent=spec.name),
     )

@@ -14,6 +14,10 @@ applied: the task has finished, Waystation has no record of it (it has not pause
 without the log (G10), or never was), it belongs to another agent, or the payload does not fit
 the agent's declared model for the signal (the wait goes on). A refusal is recorded for audit in
 a stream that exists (``SignalRefused``).
+
+Who sent it, when the publisher named them (the ``x-waystation-actor`` header, cleaned: a person
+behind the AMQP user, ``console:alice``), is the ``actor`` of the metadata of every event the
+signal appends (with a resumed run in place, its events too: the signal caused them).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from waystation.agent import AgentSpec
 from waystation.brokers.port import Delivery
 from waystation.events import SignalReceived, SignalRefused, TaskState, decide_signal
 from waystation.events.task import MAX_KEPT_SIGNALS, MAX_SIGNAL_NAME
+from waystation.protocol.actors import actor_of
 from waystation.protocol.wire import ResultEnvelope, derived_id, result_message
 from waystation.runtime.flows.base import Steps, invalid_fields
 from waystation.runtime.flows.cancel import MAX_TASK_ID
@@ -72,7 +77,7 @@ async def handle_signal(steps: Steps, delivery: Delivery, spec: AgentSpec, body:
         task_id,
         decide,
         key=lambda _: f"signal:{signal_id}",
-        cause=Cause.of(delivery),
+        cause=Cause.of(delivery, actor=actor_of(delivery.headers)),
         step="signal",
         run_resumed=functools.partial(run_in_place, steps),
     )
