@@ -1,5 +1,5 @@
-"""Fixtures of the integration tests: a plain AMQP channel, cleanup of test-only agents, and the
-file test apps' workers write their runs to."""
+"""Fixtures of the integration tests: a plain AMQP channel, cleanup of test-only agents, the
+file test apps' workers write their runs to, and a log of a test's own."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ import pytest_asyncio
 from aio_pika.abc import AbstractChannel
 
 from scripts.lab.harness.broker import delete_topology
+from scripts.lab.harness.database import fresh_database_url
+from waystation import migrations
+from waystation.events.postgres import PostgresEventStore
+from waystation.settings import Settings
 
 from ..support import Services
 
@@ -39,3 +43,19 @@ async def extra_agents(services: Services, queue_prefix: str) -> AsyncIterator[l
     agents: list[str] = []
     yield agents
     await delete_topology(services.amqp_url, queue_prefix, agents)
+
+
+@pytest_asyncio.fixture
+async def own_log(
+    services: Services, settings: Settings
+) -> AsyncIterator[tuple[Settings, PostgresEventStore]]:
+    """Settings and a store for a fresh database of this test's own, dropped afterwards: for a
+    test that reads the whole log (``verify``, ``export``, the projections)."""
+    url = fresh_database_url(services.admin_database_url)
+    await migrations.upgrade(url)
+    store = PostgresEventStore.from_url(url, pool_size=3)
+    try:
+        yield settings.model_copy(update={"database_url": url}), store
+    finally:
+        await store.close()
+        await migrations.drop_database(url)

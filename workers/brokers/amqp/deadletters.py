@@ -145,6 +145,8 @@ async def replay(
     Each is republished with its body and properties, without the dead-letter headers (but
     with the actor a cancel or a signal named), and acked from the dead-letter queue only once
     the broker confirmed the republish. Returns the ones replayed; the others stay in the queue.
+    A letter is replayed once per call: one that fails again at once and comes back to the
+    dead-letter queue during the replay stays there.
 
     With ``store``, the replay is recorded once it is done: one ``DeadLettersReplayed`` event in
     the operations stream naming ``actor`` (cleaned as the worker cleans a header's), the
@@ -155,11 +157,16 @@ async def replay(
     raised with the letters replayed, for the caller to report and exit non-zero.
     """
     replayed: list[DeadLetter] = []
+    sent: set[str] = set()
 
     async def send_back(
         channel: aio_pika.abc.AbstractChannel, message: AbstractIncomingMessage, letter: DeadLetter
     ) -> bool:
         if letter.queue is None or (reason is not None and letter.reason != reason):
+            return False
+        if letter.message_id is not None and letter.message_id in sent:
+            # replayed by this run already and dead-lettered again meanwhile (it fails at
+            # once): once is enough, or it would go round until the limit
             return False
         headers = sendable(
             {
@@ -189,6 +196,8 @@ async def replay(
             mandatory=True,
         )
         replayed.append(letter)
+        if letter.message_id is not None:
+            sent.add(letter.message_id)
         return True
 
     await _take(amqp_url, names, limit, send_back)
