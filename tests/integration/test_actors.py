@@ -10,6 +10,7 @@ record a replay that happened. The same on the test kit: tests/embedded/test_act
 from __future__ import annotations
 
 import asyncio
+import getpass
 import uuid
 
 import orjson
@@ -108,6 +109,20 @@ async def test_cancels_and_signals_record_their_actor_shown_by_history_and_expor
         )
         raw_events = await until(store, raw, "cancelled")
 
+        # from a shell: the OS user by default, or --actor
+        shell = await paused_task(client, store)
+        code, out, err = await cli(settings, "cancel", shell)
+        assert code == 0, out + err
+        told = await paused_task(client, store)
+        code, out, err = await cli(
+            settings, "signal", told, "approval", '{"approved": false}', "--actor", "ops:zoe"
+        )
+        assert code == 0, out + err
+    shell_events = await until(store, shell, "cancelled")
+    assert of_type(shell_events, "TaskCancelled").metadata["actor"] == f"cli:{getpass.getuser()}"
+    told_events = await until(store, told, "completed")
+    assert of_type(told_events, "SignalReceived").metadata["actor"] == "ops:zoe"
+
     events = await until(store, signalled, "completed")
     assert of_type(events, "SignalReceived").metadata["actor"] == "console:alice"
     assert "actor" not in of_type(events, "TaskPaused").metadata
@@ -141,6 +156,8 @@ async def test_cancels_and_signals_record_their_actor_shown_by_history_and_expor
         (signalled, "SignalReceived"): "console:alice",
         (cancelled, "TaskCancelled"): "console:bob",
         (raw, "TaskCancelled"): CLEANED,
+        (shell, "TaskCancelled"): f"cli:{getpass.getuser()}",
+        (told, "SignalReceived"): "ops:zoe",
     }
 
 

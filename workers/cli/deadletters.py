@@ -8,29 +8,20 @@ letters are back in their queues all the same, and the command says so and exits
 
 from __future__ import annotations
 
-import getpass
 import sys
 from typing import TYPE_CHECKING
 
 import click
 
 from waystation.cli.exits import EXIT_STORE
-from waystation.cli.wiring import load_settings, open_store, run
+from waystation.cli.wiring import actor_option, load_settings, open_store, run
 from waystation.events.codec import dumps
 
 if TYPE_CHECKING:
     from waystation.brokers.amqp.deadletters import DeadLetter
     from waystation.settings import Settings
 
-__all__ = ["cli_actor", "dead_letters"]
-
-
-def cli_actor() -> str:
-    """Who acts from this shell by default: ``cli:`` and the OS user's name (``cli:root``)."""
-    try:
-        return f"cli:{getpass.getuser()}"
-    except Exception:  # no name for this uid (a container's): still a command line
-        return "cli"
+__all__ = ["dead_letters"]
 
 
 @click.group(name="dead-letters")
@@ -54,12 +45,9 @@ def list_dead_letters(limit: int, as_json: bool) -> None:
 @dead_letters.command(name="replay")
 @click.option("--reason", help="Only dead letters of this reason (e.g. handler-failed).")
 @click.option("--limit", type=int, default=50, show_default=True, help="At most this many.")
-@click.option(
-    "--actor",
-    help="Who replays, as the log records it (default: cli: and your OS user name, e.g. cli:root).",
-)
+@actor_option("replays")
 @click.option("--json", "as_json", is_flag=True, help="JSON instead of a table.")
-def replay_dead_letters(reason: str | None, limit: int, actor: str | None, as_json: bool) -> None:
+def replay_dead_letters(reason: str | None, limit: int, actor: str, as_json: bool) -> None:
     """Send dead letters back to the queue they came from (after fixing the cause), and record
     the replay in the log (a DeadLettersReplayed event in the waystation-operations stream).
 
@@ -67,7 +55,7 @@ def replay_dead_letters(reason: str | None, limit: int, actor: str | None, as_js
     (the log could not be written: the letters are back in their queues all the same).
     """
     settings = load_settings()
-    sys.exit(run(_replay(settings, reason, limit, actor or cli_actor(), as_json)))
+    sys.exit(run(_replay(settings, reason, limit, actor, as_json)))
 
 
 async def _replay(

@@ -14,6 +14,7 @@ import click
 
 from waystation.cli.admin import print_projection_status, readable_age
 from waystation.cli.wiring import (
+    actor_option,
     agent_in_log,
     load_settings,
     run,
@@ -122,8 +123,9 @@ async def _submit(
 @click.argument("task_id")
 @click.option("--agent", help="The task's agent (default: looked up in the event log).")
 @click.option("--reason", help="Recorded with the cancellation.")
+@actor_option("cancels")
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait.")
-def cancel(task_id: str, agent: str | None, reason: str | None, timeout: float) -> None:
+def cancel(task_id: str, agent: str | None, reason: str | None, actor: str, timeout: float) -> None:
     """Cancel TASK_ID: durable, cascades to every peer call it waits for.
 
     Prints the task's status afterwards as JSON. Exit codes: 0 cancelled, 1 it had already
@@ -131,11 +133,16 @@ def cancel(task_id: str, agent: str | None, reason: str | None, timeout: float) 
     7 no queue for its agent.
     """
     settings = load_settings()
-    sys.exit(run(_cancel(settings, task_id, agent, reason, timeout)))
+    sys.exit(run(_cancel(settings, task_id, agent, reason, actor, timeout)))
 
 
 async def _cancel(
-    settings: Settings, task_id: str, agent: str | None, reason: str | None, timeout: float
+    settings: Settings,
+    task_id: str,
+    agent: str | None,
+    reason: str | None,
+    actor: str,
+    timeout: float,
 ) -> int:
     from waystation.client import Client
 
@@ -148,7 +155,9 @@ async def _cancel(
             return 2
     async with Client(settings.amqp_url, queue_prefix=settings.queue_prefix) as client:
         try:
-            status = await client.cancel(agent, task_id, reason=reason, timeout=timeout)
+            status = await client.cancel(
+                agent, task_id, reason=reason, actor=actor, timeout=timeout
+            )
         except TimeoutError:
             click.echo(f"no answer from agent {agent!r} within {timeout}s", err=True)
             return 3

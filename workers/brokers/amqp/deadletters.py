@@ -151,10 +151,12 @@ async def replay(
     With ``store``, the replay is recorded once it is done: one ``DeadLettersReplayed`` event in
     the operations stream naming ``actor`` (cleaned as the worker cleans a header's), the
     ``reason`` filter, the letters' message ids and queues, for the letters actually
-    republished (none: nothing is recorded). If that append fails, the replay has happened all
-    the same (the letters are back in their queues and gone from the dead-letter queue): the
-    failure is logged as an error naming every message id, and :class:`ReplayNotRecorded`
-    raised with the letters replayed, for the caller to report and exit non-zero.
+    republished (none: nothing is recorded), also when the replay stops half-way on an error
+    (the letters sent back before it are recorded, and the error raised). If that append
+    fails, the replay has happened all the same (the letters are back in their queues and gone
+    from the dead-letter queue): the failure is logged as an error naming every message id, and
+    :class:`ReplayNotRecorded` raised with the letters replayed, for the caller to report and
+    exit non-zero.
     """
     replayed: list[DeadLetter] = []
     sent: set[str] = set()
@@ -200,9 +202,11 @@ async def replay(
             sent.add(letter.message_id)
         return True
 
-    await _take(amqp_url, names, limit, send_back)
-    if store is not None and replayed:
-        await _record(store, replayed, names, amqp_url, reason=reason, actor=clean_actor(actor))
+    try:
+        await _take(amqp_url, names, limit, send_back)
+    finally:  # what went back before a failure (a dropped connection) went back all the same
+        if store is not None and replayed:
+            await _record(store, replayed, names, amqp_url, reason=reason, actor=clean_actor(actor))
     return replayed
 
 
