@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from waystation import App, Call, Complete, Outcome, Pause, Signal, TaskContext
+from waystation.client import SignalNotApplied
 from waystation.events import (
     OPERATIONS_STREAM,
     AppendResult,
@@ -207,3 +208,17 @@ async def test_replays_at_the_same_moment_each_append_their_own_record() -> None
     events = await store.read_stream(OPERATIONS_STREAM)
     assert sorted(str(e.metadata["actor"]) for e in events) == [f"a-{n}" for n in range(8)]
     assert verify_stream(events) == []
+
+
+async def test_the_operations_stream_cannot_be_cancelled_or_signalled_as_a_task() -> None:
+    async with InMemoryPool(actors_app()) as pool:
+        before = await pool.store.read_stream(OPERATIONS_STREAM)
+        with pytest.raises(RuntimeError, match="stream of operations"):
+            await pool.cancel("approver", OPERATIONS_STREAM, actor="console:mallory")
+        with pytest.raises(SignalNotApplied, match="stream of operations"):
+            await pool.signal(OPERATIONS_STREAM, "approval", agent="approver")
+        assert await pool.store.read_stream(OPERATIONS_STREAM) == before == []
+        assert [letter.headers.get("x-waystation-reason") for letter in pool.dead_letters()] == [
+            "wrong-shape",
+            "wrong-shape",
+        ]

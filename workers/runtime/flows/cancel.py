@@ -14,16 +14,19 @@ from typing import Any
 
 from waystation.agent import AgentSpec
 from waystation.brokers.port import Delivery
-from waystation.events import TaskState, decide_cancel
+from waystation.events import OPERATIONS_STREAM, TaskState, decide_cancel
 from waystation.protocol.actors import actor_of
 from waystation.protocol.wire import ResultEnvelope, derived_id, result_message
 from waystation.runtime.flows.base import Steps
 from waystation.runtime.recorder import Cause
 from waystation.runtime.verdicts import Verdict, ack, dead
 
-__all__ = ["MAX_TASK_ID", "handle_cancel"]
+__all__ = ["MAX_TASK_ID", "NOT_A_TASK", "handle_cancel"]
 
 MAX_TASK_ID = 255
+NOT_A_TASK = (
+    f"{OPERATIONS_STREAM!r} is the log's stream of operations (dead-letter replays), not a task"
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,8 @@ async def handle_cancel(steps: Steps, delivery: Delivery, spec: AgentSpec, body:
             f"a cancel's task_id is 1 to {MAX_TASK_ID} characters",
             tell_publisher=True,
         )
+    if task_id == OPERATIONS_STREAM:
+        return dead("wrong-shape", NOT_A_TASK, tell_publisher=True)
     reason = body.get("reason") if isinstance(body.get("reason"), str) else None
     applied = await steps.recorder.append_decision(
         task_id,

@@ -30,12 +30,18 @@ from pydantic import BaseModel, ValidationError
 
 from waystation.agent import AgentSpec
 from waystation.brokers.port import Delivery
-from waystation.events import SignalReceived, SignalRefused, TaskState, decide_signal
+from waystation.events import (
+    OPERATIONS_STREAM,
+    SignalReceived,
+    SignalRefused,
+    TaskState,
+    decide_signal,
+)
 from waystation.events.task import MAX_KEPT_SIGNALS, MAX_SIGNAL_NAME
 from waystation.protocol.actors import actor_of
 from waystation.protocol.wire import ResultEnvelope, derived_id, result_message
 from waystation.runtime.flows.base import Steps, invalid_fields
-from waystation.runtime.flows.cancel import MAX_TASK_ID
+from waystation.runtime.flows.cancel import MAX_TASK_ID, NOT_A_TASK
 from waystation.runtime.flows.in_place import run_in_place
 from waystation.runtime.recorder import Applied, Cause
 from waystation.runtime.verdicts import Verdict, ack, dead
@@ -101,6 +107,8 @@ def _shape_problem(body: Any) -> str | None:
         return SIGNAL_SHAPE
     if not body["task_id"] or len(body["task_id"]) > MAX_TASK_ID:
         return f"a signal's task_id is 1 to {MAX_TASK_ID} characters"
+    if body["task_id"] == OPERATIONS_STREAM:
+        return NOT_A_TASK
     name = body.get("name")
     if not isinstance(name, str) or not name or len(name) > MAX_SIGNAL_NAME:
         return f"a signal's name is a string of 1 to {MAX_SIGNAL_NAME} characters"
