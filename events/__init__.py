@@ -6,7 +6,9 @@ This package knows nothing of brokers, workers or projections.
 from .codec import GENESIS_HASH, canonical, chain_hash
 from .errors import EventStoreError, IntegrityError, StoreUnavailable, VersionConflict
 from .model import (
+    OPERATIONS_STREAM,
     CancelledCall,
+    DeadLettersReplayed,
     DeadlineExtended,
     DomainEvent,
     EventMetadata,
@@ -60,11 +62,13 @@ from .upcasting import UpcastError, Upcasters
 __all__ = [
     "GENESIS_HASH",
     "MAX_TASK_ID_BYTES",
+    "OPERATIONS_STREAM",
     "AppendResult",
     "Call",
     "CallResult",
     "CancelledCall",
     "Complete",
+    "DeadLettersReplayed",
     "DeadlineExtended",
     "DomainEvent",
     "EventMetadata",

@@ -26,7 +26,9 @@ from pydantic import BaseModel, ConfigDict
 from .upcasting import BUILTIN, UpcastError, Upcasters
 
 __all__ = [
+    "OPERATIONS_STREAM",
     "CancelledCall",
+    "DeadLettersReplayed",
     "DeadlineExtended",
     "DomainEvent",
     "EventMetadata",
@@ -266,6 +268,30 @@ class SignalRefused(DomainEvent):
     sender: str | None = None
 
 
+OPERATIONS_STREAM = "waystation-operations"
+"""The stream of what operators did to the deployment as a whole (not to one task): dead-letter
+replays. A stream of its own, not a task's: appending to a task's stream would race its worker's
+optimistic concurrency. Its events are audit-only and change no task; a task with this id would
+share it, so no publisher should give a task this id."""
+
+
+class DeadLettersReplayed(DomainEvent):
+    """Audit only, in :data:`OPERATIONS_STREAM`: ``actor`` sent ``count`` dead letters back to
+    the queues they came from (``waystation dead-letters replay``), those of ``reason`` when it
+    was given; ``message_ids`` and ``queues`` name them (a letter without a message id as
+    ``None``). One event per replay, for the letters actually republished."""
+
+    event_type: ClassVar[str] = "DeadLettersReplayed"
+    audit_only: ClassVar[bool] = True
+    actor: str | None = None
+    reason: str | None = None
+    """The reason filter given, None: every reason."""
+    count: int
+    message_ids: tuple[str | None, ...]
+    queues: tuple[str, ...]
+    """The distinct queues the letters went back to, sorted."""
+
+
 class UnknownEvent(DomainEvent):
     """An event this code cannot read; kept verbatim so nothing is lost on read.
 
@@ -297,6 +323,7 @@ _EVENT_TYPES: dict[str, type[DomainEvent]] = {
         ReplyIgnored,
         SignalReceived,
         SignalRefused,
+        DeadLettersReplayed,
     )
 }
 
@@ -320,6 +347,10 @@ class EventMetadata(BaseModel):
     occurred_at: float | None = None
     deployment: str | None = None
     """The queue prefix of the writer; the deadline sweeper of a deployment takes only its own."""
+    actor: str | None = None
+    """Who acted, as the publisher of a cancel or a signal named them (its ``x-waystation-actor``
+    header, e.g. ``console:alice``; ``waystation.protocol.actors``), or the operator
+    of a dead-letter replay; absent on every other event, and on events older than it."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,9 @@ Pure functions of a stream's events (``waystation.projections.audit.read_streams
 ``timeline`` turns the stream into one readable entry per event, with how long each pause lasted:
 what each pause waits for (peer calls, signals, timers, the first k of them) and the agent
 version that paused, each signal with its sender and the wait that took it (or that it was
-kept, or refused and why), a timer firing, and the waits a resume gave up.
+kept, or refused and why), a timer firing, and the waits a resume gave up. A signal or a cancel
+whose publisher named who acted (the metadata's ``actor``, ``console:alice``) says so, and so
+does a dead-letter replay in the operations stream (``DeadLettersReplayed``).
 
 ``state_as_of`` is what ``waystation.events.task.fold`` said about a task at a past position or
 time.
@@ -19,6 +21,7 @@ from typing import Any
 
 from waystation.events.codec import canonical
 from waystation.events.model import (
+    DeadLettersReplayed,
     DeadlineExtended,
     DomainEvent,
     PendingCall,
@@ -101,6 +104,10 @@ class TimelineEntry:
     """The trace the event was written under (its metadata's ``trace_id``)."""
     sender: str | None = None
     """On a ``SignalReceived`` or ``SignalRefused``: who sent the signal (the AMQP user)."""
+    acted_by: str | None = None
+    """Who acted, when the event records one (its metadata's ``actor``: the person or tool
+    behind a cancel, a signal or a dead-letter replay, ``console:alice``); ``actor`` above is
+    the worker."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -112,6 +119,7 @@ class TimelineEntry:
             "pause_seconds": self.pause_seconds,
             "trace_id": self.trace_id,
             "sender": self.sender,
+            "acted_by": self.acted_by,
         }
 
 
@@ -148,8 +156,23 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _signal(received: SignalReceived, taken_by: tuple[str, int] | None, version: int) -> str:
-    sender = f" from {received.sender}" if received.sender else ""
+def _from(sender: str | None, actor: str | None) -> str:
+    """Who sent a signal: `` from guest (console:alice)``, `` from guest``, `` from
+    console:alice``, or nothing."""
+    if sender and actor:
+        return f" from {sender} ({actor})"
+    return f" from {sender or actor}" if sender or actor else ""
+
+
+def _actor(event: RecordedEvent) -> str | None:
+    actor = event.metadata.get("actor")
+    return actor if isinstance(actor, str) else None
+
+
+def _signal(
+    received: SignalReceived, taken_by: tuple[str, int] | None, version: int, actor: str | None
+) -> str:
+    sender = _from(received.sender, actor)
     what = f"signal {received.name} ({received.signal_id}){sender} {_short(received.payload, 40)}"
     if taken_by is None:
         return f"{what}: kept, no wait has taken it"
@@ -183,9 +206,9 @@ def _summary(
         gave_up = f", giving up {given_up}" if given_up else ""
         return f"resumed from pause #{parsed.pause}{after}{gave_up}"
     if isinstance(parsed, SignalReceived):
-        return _signal(parsed, taken.get(parsed.signal_id), event.stream_version)
+        return _signal(parsed, taken.get(parsed.signal_id), event.stream_version, _actor(event))
     if isinstance(parsed, SignalRefused):
-        sender = f" from {parsed.sender}" if parsed.sender else ""
+        sender = _from(parsed.sender, _actor(event))
         detail = f" ({parsed.detail})" if parsed.detail else ""
         return f"refused signal {parsed.name} ({parsed.signal_id}){sender}: {parsed.reason}{detail}"
     if isinstance(parsed, TaskCompleted):
@@ -195,7 +218,12 @@ def _summary(
     if isinstance(parsed, TaskCancelled):
         reason = f": {parsed.reason}" if parsed.reason else ""
         pending = f" ({len(parsed.pending)} call(s) still pending)" if parsed.pending else ""
-        return f"cancelled{reason}{pending}"
+        by = f" by {_actor(event)}" if _actor(event) else ""
+        return f"cancelled{by}{reason}{pending}"
+    if isinstance(parsed, DeadLettersReplayed):
+        of = f" of reason {parsed.reason}" if parsed.reason else ""
+        by = f" by {parsed.actor}" if parsed.actor else ""
+        return f"replayed {parsed.count} dead letter(s){of} to {', '.join(parsed.queues)}{by}"
     if isinstance(parsed, DeadlineExtended):
         moment = datetime.fromtimestamp(parsed.deadline_at).astimezone().isoformat()
         return f"deadline of {parsed.subtask_id} extended to {moment}"
@@ -260,6 +288,7 @@ def timeline(events: Sequence[RecordedEvent]) -> list[TimelineEntry]:
                 pause_seconds=span.seconds if span is not None else None,
                 trace_id=trace if isinstance(trace, str) else None,
                 sender=parsed.sender if isinstance(parsed, _SIGNALS) else None,
+                acted_by=_actor(event),
             )
         )
     return entries

@@ -21,7 +21,8 @@ agent=...)`` and ``lookup(agent, task_id)`` send a ``query`` message, which a wo
 the log (``waystation.runtime.flows.query``); the client itself has no database.
 
 A paused task can be sent a signal: ``signal(task_id, name, payload, agent=...)``
-(``waystation.runtime.flows.signal``), answered with what became of it.
+(``waystation.runtime.flows.signal``), answered with what became of it. A cancel or a signal may
+name who acts (``actor="console:alice"``), which the log records on the events it causes.
 
 Over 400 lines on purpose: every request the client makes (submit, result, cancel, query,
 signal) shares its one connection, its reply queue and the results it keeps; split, each part
@@ -51,8 +52,10 @@ from waystation.brokers.amqp.topology import wait_queue_arguments
 from waystation.brokers.amqp.transport import guarded_connection
 from waystation.events.codec import dumps, loads
 from waystation.policies import delay_step
+from waystation.protocol.actors import clean_actor
 from waystation.protocol.wire import (
     CONTENT_TYPE,
+    HEADER_ACTOR,
     HEADER_TRACE,
     TYPE_CANCEL,
     TYPE_QUERY,
@@ -116,6 +119,25 @@ def signal_outcome(task_id: str, name: str, answer: TaskResult) -> str:
     raise SignalNotApplied(
         task_id, name, str(error.get("type", "error")), str(error.get("message", ""))
     )
+
+
+def cancel_outcome(task_id: str, answer: TaskResult) -> str:
+    """A cancelled task's status, from the worker's answer to the cancel."""
+    if not answer.ok or not isinstance(answer.result, dict):
+        raise RuntimeError(f"cancel of {task_id} failed: {answer.error}")
+    return str(answer.result.get("status"))
+
+
+def actor_headers(actor: str | None) -> dict[str, FieldValue] | None:
+    """The headers naming ``actor`` on a cancel or a signal (``x-waystation-actor``), cleaned
+    as the worker cleans it (``waystation.protocol.actors.clean_actor``: what is sent is what the
+    log records); None without one.
+
+    Per call rather than per client: one client serves every person of a console, each cancel
+    or signal naming whoever clicked, and an actor means something on those two requests only
+    (a task's events are its worker's doing)."""
+    cleaned = clean_actor(actor)
+    return {HEADER_ACTOR: cleaned} if cleaned is not None else None
 
 
 def new_signal_id() -> str:
@@ -304,12 +326,17 @@ class Client:
         )
 
     async def _request(
-        self, kind: str, agent: str, body: dict[str, Any], timeout: float | None
+        self,
+        kind: str,
+        agent: str,
+        body: dict[str, Any],
+        timeout: float | None,
+        headers: dict[str, FieldValue] | None = None,
     ) -> TaskResult:
         """Publish a ``kind`` request about ``body["task_id"]`` to ``agent``'s queue and wait for
         the worker's answer on this client's reply queue."""
         request_id = f"{kind}:{body['task_id']}:{uuid.uuid4()}"
-        await self._publish(agent, kind, request_id, dumps(body))
+        await self._publish(agent, kind, request_id, dumps(body), headers)
         try:
             return await self._wait(request_id, timeout)
         finally:
@@ -321,20 +348,24 @@ class Client:
         task_id: str,
         *,
         reason: str | None = None,
+        actor: str | None = None,
         timeout: float | None = 30.0,
     ) -> str:
         """Cancel ``task_id`` (a task of ``agent``) and return its status afterwards:
         ``cancelled``, or the status it had already reached (``completed``, ``failed``).
 
         The task's own publisher receives a ``cancelled`` result, and every peer call it was
-        waiting for is cancelled too.
+        waiting for is cancelled too. ``actor``: who cancels (``console:alice``), recorded on
+        the ``TaskCancelled`` (:func:`actor_headers`).
         """
         answer = await self._request(
-            TYPE_CANCEL, agent, {"task_id": task_id, "reason": reason}, timeout
+            TYPE_CANCEL,
+            agent,
+            {"task_id": task_id, "reason": reason},
+            timeout,
+            actor_headers(actor),
         )
-        if not answer.ok or not isinstance(answer.result, dict):
-            raise RuntimeError(f"cancel of {task_id} failed: {answer.error}")
-        return str(answer.result.get("status"))
+        return cancel_outcome(task_id, answer)
 
     async def signal(
         self,
@@ -344,6 +375,7 @@ class Client:
         *,
         agent: str,
         signal_id: str | None = None,
+        actor: str | None = None,
         timeout: float | None = 30.0,
     ) -> str:
         """Send the signal ``name`` with ``payload`` to ``task_id``, a task of ``agent``, and
@@ -353,11 +385,19 @@ class Client:
 
         ``signal_id``: the signal's id (a new one by default); sending again with the same id
         is harmless, so a sender that does not know whether its signal arrived sends it again.
-        The sender recorded is this connection's user. ``timeout``: how long to wait for the
-        worker's answer (``TimeoutError``)."""
+        The sender recorded is this connection's user; ``actor`` (``console:alice``), who acts
+        through it, is recorded beside it (:func:`actor_headers`). ``timeout``: how long to wait
+        for the worker's answer (``TimeoutError``)."""
         signal_id = signal_id or new_signal_id()
         body = {"task_id": task_id, "name": name, "payload": payload}
-        await self._publish(agent, TYPE_SIGNAL, signal_id, dumps(body), user_id=self._user())
+        await self._publish(
+            agent,
+            TYPE_SIGNAL,
+            signal_id,
+            dumps(body),
+            actor_headers(actor),
+            user_id=self._user(),
+        )
         try:
             answer = await self._wait(signal_id, timeout)
         finally:

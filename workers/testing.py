@@ -26,11 +26,18 @@ from typing import TYPE_CHECKING, Any
 from waystation.agent import App
 from waystation.brokers.memory import InMemoryBroker, InMemoryConnection, StoredMessage
 from waystation.brokers.port import Delivery
-from waystation.client import TaskResult
+from waystation.client import TaskResult, cancel_outcome
 from waystation.events import OutboxMessage
 from waystation.events.codec import dumps, loads
 from waystation.events.memory import InMemoryEventStore
-from waystation.protocol.wire import CONTENT_TYPE, TYPE_SIGNAL, TYPE_TASK, Names
+from waystation.protocol.wire import (
+    CONTENT_TYPE,
+    HEADER_ACTOR,
+    TYPE_CANCEL,
+    TYPE_SIGNAL,
+    TYPE_TASK,
+    Names,
+)
 from waystation.runtime.verdicts import crash_limit
 from waystation.runtime.worker import Worker
 from waystation.settings import Settings
@@ -204,34 +211,74 @@ class InMemoryPool:
         agent: str,
         signal_id: str | None = None,
         sender: str | None = None,
+        actor: str | None = None,
         timeout: float = 30.0,
     ) -> str:
         """Send the signal ``name`` to ``task_id`` (a task of ``agent``) as any publisher would,
-        as the AMQP user ``sender``, and return what became of it (``taken``, ``kept``,
-        ``duplicate``); :class:`~waystation.client.SignalNotApplied` when it was not applied.
-        ``Client.signal``'s twin."""
+        as the AMQP user ``sender``, naming ``actor`` (sent as given, as a publisher in any
+        language might: the worker cleans it), and return what became of it (``taken``,
+        ``kept``, ``duplicate``); :class:`~waystation.client.SignalNotApplied` when it was not
+        applied. ``Client.signal``'s twin."""
         from waystation.client import signal_outcome
 
         signal_id = signal_id or f"signal:{uuid.uuid4()}"
+        body = {"task_id": task_id, "name": name, "payload": payload}
+        answer = await self._request(
+            agent, TYPE_SIGNAL, signal_id, body, timeout, user_id=sender, actor=actor
+        )
+        return signal_outcome(task_id, name, answer)
+
+    async def cancel(
+        self,
+        agent: str,
+        task_id: str,
+        *,
+        reason: str | None = None,
+        actor: str | None = None,
+        timeout: float = 30.0,
+    ) -> str:
+        """Cancel ``task_id`` (a task of ``agent``) as any publisher would, naming ``actor`` (sent
+        as given: the worker cleans it), and return its status afterwards: ``cancelled``, or the
+        one it had reached. ``Client.cancel``'s twin."""
+        request_id = f"{TYPE_CANCEL}:{task_id}:{uuid.uuid4()}"
+        body = {"task_id": task_id, "reason": reason}
+        answer = await self._request(agent, TYPE_CANCEL, request_id, body, timeout, actor=actor)
+        return cancel_outcome(task_id, answer)
+
+    async def _request(
+        self,
+        agent: str,
+        kind: str,
+        message_id: str,
+        body: Any,
+        timeout: float,
+        *,
+        user_id: str | None = None,
+        actor: str | None = None,
+    ) -> TaskResult:
+        """Publish a ``kind`` message about a task to ``agent``'s queue and wait for the
+        worker's answer (forgotten once read)."""
         properties: dict[str, Any] = {
-            "type": TYPE_SIGNAL,
-            "correlation_id": signal_id,
+            "type": kind,
+            "correlation_id": message_id,
             "reply_to": self._reply_queue,
             "content_type": CONTENT_TYPE,
         }
-        if sender is not None:
-            properties["user_id"] = sender
+        if user_id is not None:
+            properties["user_id"] = user_id
+        if actor is not None:
+            properties["headers"] = {HEADER_ACTOR: actor}
         await self._client.publish(
             OutboxMessage(
-                message_id=signal_id,
+                message_id=message_id,
                 routing_key=self.names.tasks(agent),
-                body=dumps({"task_id": task_id, "name": name, "payload": payload}),
+                body=dumps(body),
                 properties=properties,
             )
         )
-        answer = await self.result(signal_id, timeout)
-        del self._results[signal_id]
-        return signal_outcome(task_id, name, answer)
+        answer = await self.result(message_id, timeout)
+        del self._results[message_id]
+        return answer
 
     async def _on_answer(self, delivery: Delivery) -> None:
         task_id = delivery.correlation_id or ""

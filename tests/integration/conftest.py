@@ -1,5 +1,5 @@
 """Fixtures of the integration tests: a plain AMQP channel, cleanup of test-only agents, the
-file test apps' workers write their runs to, and a database of a test's own for projections."""
+file test apps' workers write their runs to, and a database or log of a test's own."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from scripts.lab.harness.database import fresh_database_url
 from waystation import migrations
 from waystation.events.postgres import PostgresEventStore
 from waystation.projections.postgres import create_engine
+from waystation.settings import Settings
 
 from ..support import Services
 
@@ -57,5 +58,21 @@ async def log_db(services: Services) -> AsyncIterator[tuple[PostgresEventStore, 
         yield store, engine
     finally:
         await engine.dispose()
+        await store.close()
+        await migrations.drop_database(url)
+
+
+@pytest_asyncio.fixture
+async def own_log(
+    services: Services, settings: Settings
+) -> AsyncIterator[tuple[Settings, PostgresEventStore]]:
+    """Settings and a store for a fresh database of this test's own, dropped afterwards: for a
+    test that reads the whole log (``verify``, ``export``, the projections)."""
+    url = fresh_database_url(services.admin_database_url)
+    await migrations.upgrade(url)
+    store = PostgresEventStore.from_url(url, pool_size=3)
+    try:
+        yield settings.model_copy(update={"database_url": url}), store
+    finally:
         await store.close()
         await migrations.drop_database(url)

@@ -10,15 +10,11 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import orjson
 import pytest
-import pytest_asyncio
 from sqlalchemy import text
 
-from scripts.lab.harness.database import fresh_database_url
-from waystation import migrations
 from waystation.client import Client
 from waystation.events import (
     Call,
@@ -42,23 +38,8 @@ from waystation.example import app, expected_total
 from waystation.projections.postgres import PROJECTIONS, catch_up, create_engine
 from waystation.settings import Settings
 
-from ..support import Services, running_worker
+from ..support import running_worker
 from .test_cli import run_cli
-
-
-@pytest_asyncio.fixture
-async def own_log(
-    services: Services, settings: Settings
-) -> AsyncIterator[tuple[Settings, PostgresEventStore]]:
-    """Settings and a store for a fresh database of this test's own, dropped afterwards."""
-    url = fresh_database_url(services.admin_database_url)
-    await migrations.upgrade(url)
-    store = PostgresEventStore.from_url(url, pool_size=3)
-    try:
-        yield settings.model_copy(update={"database_url": url}), store
-    finally:
-        await store.close()
-        await migrations.drop_database(url)
 
 
 async def run_tasks(settings: Settings, store: PostgresEventStore, *inputs: int) -> list[str]:

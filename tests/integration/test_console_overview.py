@@ -15,7 +15,6 @@ from waystation.settings import Settings
 
 from ..support import running_worker
 from .console_support import browser, console
-from .test_audit_cli import own_log as own_log  # the fixture: a database of the test's own
 from .test_console_task import assert_inert, tree_app
 
 pytestmark = pytest.mark.integration

@@ -42,7 +42,6 @@ from waystation.settings import Settings
 from ..support import eventually, running_worker, stream_types
 from .console_support import browser, console, sign_in
 from .test_audit_cli import cli, run_tasks, tamper
-from .test_audit_cli import own_log as own_log  # the fixture: a database of the test's own
 
 pytestmark = pytest.mark.integration
 

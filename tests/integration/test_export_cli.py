@@ -21,7 +21,6 @@ from waystation.settings import Settings
 
 from ..support import running_worker
 from .test_audit_cli import cli
-from .test_audit_cli import own_log as own_log  # the fixture: a database of the test's own
 
 SECRET = {"user": "alice", "token": "tok-4f2a9c"}
 

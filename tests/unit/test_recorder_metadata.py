@@ -36,6 +36,7 @@ def recorder() -> Recorder:
         (TaskState(task_id="t-1"), Cause()),
         (TaskState(task_id="t-1", root_id="r-1", trace_id="0af7"), Cause("m-1", "guest")),
         (TaskState(task_id="t-2", trace_id="0af7"), Cause(message_id="m-2")),
+        (TaskState(task_id="t-3"), Cause("m-3", "guest", actor="console:alice")),
     ],
 )
 def test_metadata_is_what_the_model_would_store(state: TaskState, cause: Cause) -> None:
@@ -48,6 +49,7 @@ def test_metadata_is_what_the_model_would_store(state: TaskState, cause: Cause) 
     assert made["deployment"] == "meta." and made["worker_id"] == "w-1"
     assert made["occurred_at"] == 1234.5
     assert ("amqp_user" in made) == (cause.amqp_user is not None)
+    assert made.get("actor") == cause.actor  # a cancel's or a signal's only; absent otherwise
     # an event appended with it carries its own copy, equal to the model's dump
     first = NewEvent.of(uuid.uuid4(), TaskResumed(pause=1), made)
     assert first.metadata == NewEvent.of(first.event_id, TaskResumed(pause=1), model).metadata

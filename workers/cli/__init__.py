@@ -6,7 +6,8 @@ area, one module each:
 
 * :mod:`.serve`: the long-running processes, ``worker`` and ``projections run``;
 * :mod:`.agents`: ``agents``, each agent of an app with its policies;
-* :mod:`.tasks`: ``submit``, ``cancel``, ``dead-letters``, ``tasks`` and ``status``;
+* :mod:`.tasks`: ``submit``, ``cancel``, ``tasks`` and ``status``;
+* :mod:`.deadletters`: ``dead-letters list`` and ``dead-letters replay``;
 * :mod:`.audit`: ``verify``, ``history``, ``export`` and ``state``;
 * :mod:`.admin`: ``db upgrade`` and the one-shot ``projections`` commands;
 * :mod:`.schema`: ``schema``, the JSON Schema of an agent's input and result;
@@ -22,7 +23,18 @@ import inspect
 
 import click
 
-from waystation.cli import admin, agents, audit, console, results, schema, serve, signals, tasks
+from waystation.cli import (
+    admin,
+    agents,
+    audit,
+    console,
+    deadletters,
+    results,
+    schema,
+    serve,
+    signals,
+    tasks,
+)
 from waystation.cli.exits import EXIT_CODES
 
 __all__ = ["main"]
@@ -77,7 +89,7 @@ main.add_command(agents.agents)
 main.add_command(tasks.submit)
 main.add_command(tasks.cancel)
 main.add_command(signals.signal)
-main.add_command(tasks.dead_letters)
+main.add_command(deadletters.dead_letters)
 main.add_command(tasks.list_paused_tasks)
 main.add_command(tasks.status)
 main.add_command(results.result)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from waystation.cli.wiring import agent_in_log, load_settings, run
+from waystation.cli.wiring import actor_option, agent_in_log, load_settings, run
 from waystation.events.codec import dumps, loads
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ EXIT_NO_ANSWER = 3
     help="The signal's id (default: a new one). Sending again with the same id is harmless: "
     "a signal is applied once.",
 )
+@actor_option("sends it")
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait.")
 def signal(
     task_id: str,
@@ -41,6 +42,7 @@ def signal(
     payload_json: str,
     agent: str | None,
     signal_id: str | None,
+    actor: str,
     timeout: float,
 ) -> None:
     """Send the signal NAME with PAYLOAD_JSON (default null) to the paused task TASK_ID.
@@ -65,7 +67,7 @@ def signal(
     except ValueError as error:
         raise click.BadParameter(f"not JSON: {error}", param_hint="PAYLOAD_JSON") from None
     settings = load_settings()
-    sys.exit(run(_signal(settings, task_id, name, payload, agent, signal_id, timeout)))
+    sys.exit(run(_signal(settings, task_id, name, payload, agent, signal_id, actor, timeout)))
 
 
 async def _signal(
@@ -75,6 +77,7 @@ async def _signal(
     payload: object,
     agent: str | None,
     signal_id: str | None,
+    actor: str,
     timeout: float,
 ) -> int:
     from waystation.client import Client, SignalNotApplied, new_signal_id
@@ -92,7 +95,13 @@ async def _signal(
     async with Client(settings.amqp_url, queue_prefix=settings.queue_prefix) as client:
         try:
             status = await client.signal(
-                task_id, name, payload, agent=agent, signal_id=signal_id, timeout=timeout
+                task_id,
+                name,
+                payload,
+                agent=agent,
+                signal_id=signal_id,
+                actor=actor,
+                timeout=timeout,
             )
         except TimeoutError:
             click.echo(

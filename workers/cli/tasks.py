@@ -1,4 +1,4 @@
-"""Commands about tasks: submit and cancel them, the dead letters, the paused tasks, the agents.
+"""Commands about tasks: submit and cancel them, the paused tasks, the agents.
 
 ``submit`` and ``cancel`` talk to the workers through the broker, as a publisher does;
 ``tasks`` and ``status`` read the projections.
@@ -14,6 +14,7 @@ import click
 
 from waystation.cli.admin import print_projection_status, readable_age
 from waystation.cli.wiring import (
+    actor_option,
     agent_in_log,
     load_settings,
     run,
@@ -24,12 +25,11 @@ from waystation.events.codec import dumps, loads
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-    from waystation.brokers.amqp.deadletters import DeadLetter
     from waystation.projections.model import AgentCounts
     from waystation.projections.postgres import ProjectionStatus
     from waystation.settings import Settings
 
-__all__ = ["cancel", "dead_letters", "lag_warning", "list_paused_tasks", "status", "submit"]
+__all__ = ["cancel", "lag_warning", "list_paused_tasks", "status", "submit"]
 
 
 @click.command()
@@ -123,8 +123,9 @@ async def _submit(
 @click.argument("task_id")
 @click.option("--agent", help="The task's agent (default: looked up in the event log).")
 @click.option("--reason", help="Recorded with the cancellation.")
+@actor_option("cancels")
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait.")
-def cancel(task_id: str, agent: str | None, reason: str | None, timeout: float) -> None:
+def cancel(task_id: str, agent: str | None, reason: str | None, actor: str, timeout: float) -> None:
     """Cancel TASK_ID: durable, cascades to every peer call it waits for.
 
     Prints the task's status afterwards as JSON. Exit codes: 0 cancelled, 1 it had already
@@ -132,11 +133,16 @@ def cancel(task_id: str, agent: str | None, reason: str | None, timeout: float) 
     7 no queue for its agent.
     """
     settings = load_settings()
-    sys.exit(run(_cancel(settings, task_id, agent, reason, timeout)))
+    sys.exit(run(_cancel(settings, task_id, agent, reason, actor, timeout)))
 
 
 async def _cancel(
-    settings: Settings, task_id: str, agent: str | None, reason: str | None, timeout: float
+    settings: Settings,
+    task_id: str,
+    agent: str | None,
+    reason: str | None,
+    actor: str,
+    timeout: float,
 ) -> int:
     from waystation.client import Client
 
@@ -149,79 +155,14 @@ async def _cancel(
             return 2
     async with Client(settings.amqp_url, queue_prefix=settings.queue_prefix) as client:
         try:
-            status = await client.cancel(agent, task_id, reason=reason, timeout=timeout)
+            status = await client.cancel(
+                agent, task_id, reason=reason, actor=actor, timeout=timeout
+            )
         except TimeoutError:
             click.echo(f"no answer from agent {agent!r} within {timeout}s", err=True)
             return 3
     click.echo(dumps({"task_id": task_id, "status": status}).decode())
     return 0 if status == "cancelled" else 1
-
-
-@click.group(name="dead-letters")
-def dead_letters() -> None:
-    """Inspect and replay the dead-letter queue (see docs/failures.md)."""
-
-
-@dead_letters.command(name="list")
-@click.option("--limit", type=int, default=50, show_default=True, help="At most this many.")
-@click.option("--json", "as_json", is_flag=True, help="JSON instead of a table.")
-def list_dead_letters(limit: int, as_json: bool) -> None:
-    """Show dead letters with their reasons; they stay in the queue."""
-    from waystation.brokers.amqp.deadletters import browse
-    from waystation.protocol.wire import Names
-
-    settings = load_settings()
-    letters = run(browse(settings.amqp_url, Names(settings.queue_prefix), limit))
-    _print_letters(letters, as_json)
-
-
-@dead_letters.command(name="replay")
-@click.option("--reason", help="Only dead letters of this reason (e.g. handler-failed).")
-@click.option("--message-id", help="Only the dead letter with this message id (see `list`).")
-@click.option(
-    "--limit",
-    type=int,
-    default=50,
-    show_default=True,
-    help="Look at this many letters of the queue, at most.",
-)
-@click.option("--json", "as_json", is_flag=True, help="JSON instead of a table.")
-def replay_dead_letters(
-    reason: str | None, message_id: str | None, limit: int, as_json: bool
-) -> None:
-    """Send dead letters back to the queue they came from (after fixing the cause). A letter
-    whose queue no longer exists stays a dead letter."""
-    from waystation.brokers.amqp.deadletters import replay
-    from waystation.protocol.wire import Names
-
-    settings = load_settings()
-    letters = run(
-        replay(
-            settings.amqp_url,
-            Names(settings.queue_prefix),
-            reason=reason,
-            message_id=message_id,
-            limit=limit,
-        )
-    )
-    _print_letters(letters, as_json)
-    if not as_json:
-        click.echo(f"replayed {len(letters)} message(s)")
-
-
-def _print_letters(letters: list[DeadLetter], as_json: bool) -> None:
-    if as_json:
-        click.echo(dumps([letter.to_json() for letter in letters]).decode())
-        return
-    if not letters:
-        click.echo("no dead letters")
-        return
-    click.echo(f"{'reason':<26} {'from queue':<36} {'message id':<40} detail")
-    for letter in letters:
-        click.echo(
-            f"{letter.reason:<26} {letter.queue or '?':<36} {letter.message_id or '-':<40} "
-            f"{letter.detail[:80]}"
-        )
 
 
 @click.command(name="tasks")

@@ -7,12 +7,15 @@ usage errors answer at once.
 from __future__ import annotations
 
 import asyncio
+import getpass
 import importlib
 import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+
+import click
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -21,6 +24,8 @@ if TYPE_CHECKING:
     from waystation.settings import Settings
 
 __all__ = [
+    "actor_option",
+    "cli_actor",
     "load_app",
     "load_settings",
     "open_store",
@@ -218,3 +223,22 @@ async def with_projection_engine(
         return await function(engine, *args, **kwargs)
     finally:
         await engine.dispose()
+
+
+def cli_actor() -> str:
+    """Who acts from this shell by default: ``cli:`` and the OS user's name (``cli:root``)."""
+    try:
+        return f"cli:{getpass.getuser()}"
+    except Exception:  # no name for this uid (a container's): still a command line
+        return "cli"
+
+
+def actor_option(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The ``--actor`` option of a command that acts (``what``: "cancels"), recorded in the log
+    as the ``actor`` of the events it causes; by default :func:`cli_actor`."""
+    return click.option(
+        "--actor",
+        default=cli_actor,
+        show_default="cli: and your OS user name",
+        help=f"Who {what}, as the event log records it (e.g. console:alice).",
+    )

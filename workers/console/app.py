@@ -37,7 +37,16 @@ if TYPE_CHECKING:
     from waystation.protocol.wire import Names
     from waystation.settings import Settings
 
-__all__ = ["Sources", "make_app", "pretty", "render", "session_of", "sources_of", "task_url"]
+__all__ = [
+    "Sources",
+    "actor_of",
+    "make_app",
+    "pretty",
+    "render",
+    "session_of",
+    "sources_of",
+    "task_url",
+]
 
 log = logging.getLogger("waystation.console")
 
@@ -103,6 +112,15 @@ def session_of(request: web.Request) -> Session | None:
     if signer is None:
         return None
     return signer.session(request.cookies.get(COOKIE))
+
+
+def actor_of(request: web.Request) -> str:
+    """The actor the log records for an action of this request's person (``console:<name>``);
+    only a signed-in person's POST reaches an action (:func:`_guard`)."""
+    session = session_of(request)
+    if session is None:  # pragma: no cover - the guard lets no action through without one
+        raise web.HTTPForbidden(text="sign in to act")
+    return session.actor
 
 
 def render(

@@ -43,6 +43,7 @@ from waystation.observability import tracing
 
 __all__ = [
     "CONTENT_TYPE",
+    "HEADER_ACTOR",
     "HEADER_ATTEMPTS",
     "HEADER_DEAD_LETTERED_AT",
     "HEADER_DETAIL",
@@ -89,6 +90,10 @@ HEADER_USER = "x-waystation-user"
 that published the original (its ``user_id``), which the copy cannot carry as its own property
 (RabbitMQ checks that against the connection's user). A worker trusts it only on a message whose
 ``user_id`` is the workers' own user (``waystation.runtime.settle.Settler.received``)."""
+
+HEADER_ACTOR = "x-waystation-actor"
+"""On a ``cancel`` or ``signal``: who acted (``console:alice``), free text recorded as the
+``actor`` of the events it causes (``waystation.protocol.actors``)."""
 
 HEADER_REASON = "x-waystation-reason"
 """On a dead letter: why, as a machine-readable code (docs/failures.md)."""

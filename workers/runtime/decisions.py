@@ -44,10 +44,13 @@ class Cause:
 
     message_id: str | None = None
     amqp_user: str | None = None
+    actor: str | None = None
+    """Who acted, as a cancel or a signal names them (``waystation.protocol.actors.actor_of``);
+    None for everything else, whose metadata has no actor."""
 
     @classmethod
-    def of(cls, delivery: Delivery) -> Cause:
-        return cls(delivery.message_id or delivery.correlation_id, delivery.user_id)
+    def of(cls, delivery: Delivery, *, actor: str | None = None) -> Cause:
+        return cls(delivery.message_id or delivery.correlation_id, delivery.user_id, actor)
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ from waystation.events import (
 )
 from waystation.observability.logs import add_to_context
 from waystation.observability.observer import FINISHED, Observer
+from waystation.protocol.actors import with_actor
 from waystation.protocol.wire import TYPE_RESUME, Names, implied_messages, with_attempts
 from waystation.runtime.combining import Combiner
 from waystation.runtime.decisions import (
@@ -185,7 +186,10 @@ class Recorder:
             "occurred_at": self.clock(),
             "deployment": self.names.prefix,
         }
-        return {key: value for key, value in values.items() if value is not None}
+        metadata = {key: value for key, value in values.items() if value is not None}
+        if cause.actor is not None:  # a cancel's or a signal's only: the others cost nothing
+            metadata["actor"] = cause.actor
+        return metadata
 
     async def append_decision(
         self,
@@ -384,6 +388,8 @@ class Recorder:
         ]
         reply_to = self.reply_to(state.agent) if self.reply_to and state.agent else None
         messages = implied_messages(self.names, state, events, reply_to)
+        if cause.actor is not None:  # a cancel's or a signal's: peers cancelled carry it on
+            messages = with_actor(messages, cause.actor)
         if resume_attempts:
             messages = [
                 with_attempts(m, resume_attempts, delay=resume_delay)

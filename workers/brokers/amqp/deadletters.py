@@ -8,6 +8,10 @@ policy's delivery limit) carry RabbitMQ's ``x-first-death-queue``, ``x-first-dea
 
 The queue is read by taking letters and putting them back: a letter being looked at is, for that
 moment, invisible to anyone else reading the queue (another console, ``dead-letters list``).
+
+A replay given the event store is recorded in the log: one ``DeadLettersReplayed`` per replay, in
+the operations stream (``waystation.events.operations``), naming who replayed (``actor``) and
+what went back where.
 """
 
 from __future__ import annotations
@@ -20,10 +24,15 @@ from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
+from yarl import URL
 
 from waystation.brokers.amqp.transport import guarded_connection
 from waystation.brokers.metadata import sendable
+from waystation.events import DeadLettersReplayed, EventStore
+from waystation.events.operations import append_operation
+from waystation.protocol.actors import clean_actor
 from waystation.protocol.wire import (
+    HEADER_ACTOR,
     HEADER_DEAD_LETTERED_AT,
     HEADER_DETAIL,
     HEADER_QUEUE,
@@ -31,9 +40,21 @@ from waystation.protocol.wire import (
     Names,
 )
 
-__all__ = ["DeadLetter", "browse", "count", "replay"]
+__all__ = ["DeadLetter", "ReplayNotRecorded", "browse", "count", "replay"]
 
 log = logging.getLogger(__name__)
+
+
+class ReplayNotRecorded(Exception):
+    """Dead letters were replayed (``replayed``), but the log could not record it (``cause``)."""
+
+    def __init__(self, replayed: list[DeadLetter], cause: BaseException) -> None:
+        super().__init__(
+            f"{len(replayed)} dead letter(s) were replayed, but the log did not record it: "
+            f"{cause!r}"
+        )
+        self.replayed = replayed
+        self.cause = cause
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,14 +203,29 @@ async def replay(
     reason: str | None = None,
     message_id: str | None = None,
     limit: int = 50,
+    store: EventStore | None = None,
+    actor: str | None = None,
 ) -> list[DeadLetter]:
     """Send dead letters (of ``reason`` and with ``message_id``, each if given) back to the
     queue they came from, among the first ``limit`` letters of the queue.
 
-    Each is republished with its body and properties, without the dead-letter headers, and
-    acked from the dead-letter queue only once the broker confirmed the republish. Returns the
-    ones replayed; the others stay in the queue, among them those whose queue no longer exists
-    or refused them.
+    Each is republished with its body and properties, without the dead-letter headers (but
+    with the actor a cancel or a signal named), and acked from the dead-letter queue only once
+    the broker confirmed the republish. Returns the ones replayed; the others stay in the queue,
+    among them those whose queue no longer exists or refused them.
+    A letter is replayed once per call: one that fails again at once and comes back to the
+    dead-letter queue during the replay stays there (:func:`_take` looks only at the letters
+    there when it starts).
+
+    With ``store``, the replay is recorded once it is done: one ``DeadLettersReplayed`` event in
+    the operations stream naming ``actor`` (cleaned as the worker cleans a header's), the
+    ``reason`` filter, the letters' message ids and queues, for the letters actually
+    republished (none: nothing is recorded), also when the replay stops half-way on an error
+    (the letters sent back before it are recorded, and the error raised). If that append
+    fails, the replay has happened all the same (the letters are back in their queues and gone
+    from the dead-letter queue): the failure is logged as an error naming every message id, and
+    :class:`ReplayNotRecorded` raised with the letters replayed, for the caller to report and
+    exit non-zero.
     """
     replayed: list[DeadLetter] = []
 
@@ -206,8 +242,13 @@ async def replay(
             {
                 key: value
                 for key, value in (message.headers or {}).items()
-                if not key.startswith(("x-waystation-", "x-death", "x-first-death", "x-last-death"))
-                and key != "x-delivery-count"
+                if key == HEADER_ACTOR
+                or (
+                    not key.startswith(
+                        ("x-waystation-", "x-death", "x-first-death", "x-last-death")
+                    )
+                    and key != "x-delivery-count"
+                )
             }
         )
         await channel.default_exchange.publish(
@@ -227,5 +268,46 @@ async def replay(
         replayed.append(letter)
         return True
 
-    await _take(amqp_url, names, limit, send_back)
+    try:
+        await _take(amqp_url, names, limit, send_back)
+    finally:  # what went back before a failure (a dropped connection) went back all the same
+        if store is not None and replayed:
+            await _record(store, replayed, names, amqp_url, reason=reason, actor=clean_actor(actor))
     return replayed
+
+
+async def _record(
+    store: EventStore,
+    replayed: list[DeadLetter],
+    names: Names,
+    amqp_url: str,
+    *,
+    reason: str | None,
+    actor: str | None,
+) -> None:
+    """Record a replay that happened (see :func:`replay`)."""
+    event = DeadLettersReplayed(
+        actor=actor,
+        reason=reason,
+        count=len(replayed),
+        message_ids=tuple(letter.message_id for letter in replayed),
+        queues=tuple(sorted({letter.queue for letter in replayed if letter.queue})),
+    )
+    try:
+        await append_operation(
+            store,
+            event,
+            actor=actor,
+            amqp_user=URL(amqp_url).user or "guest",
+            deployment=names.prefix,
+        )
+    except Exception as error:
+        log.error(
+            "REPLAYED BUT NOT RECORDED: %d dead letter(s) went back to their queues (%s) but "
+            "the log could not record it: %r; message ids: %s",
+            len(replayed),
+            ", ".join(event.queues),
+            error,
+            ", ".join(str(m) for m in event.message_ids),
+        )
+        raise ReplayNotRecorded(replayed, error) from error

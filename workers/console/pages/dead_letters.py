@@ -24,7 +24,7 @@ from urllib.parse import urlencode
 import orjson
 from aiohttp import web
 
-from waystation.console.app import pretty, render, sources_of
+from waystation.console.app import actor_of, pretty, render, sources_of
 from waystation.events import parse_subtask_id
 
 if TYPE_CHECKING:
@@ -187,7 +187,7 @@ async def confirm(request: web.Request) -> web.Response:
 
 @routes.post("/dead-letters/replay")
 async def replay(request: web.Request) -> web.StreamResponse:
-    from waystation.brokers.amqp.deadletters import replay
+    from waystation.brokers.amqp.deadletters import ReplayNotRecorded, replay
 
     form = await request.post()
     choice = _choice(form)
@@ -198,13 +198,26 @@ async def replay(request: web.Request) -> web.StreamResponse:
     sources = sources_of(request)
     rows, _ = await _read(sources)
     wanted = len(_chosen(rows, choice))
-    replayed = await replay(  # actor: wired when the actor lands
-        sources.settings.amqp_url,
-        sources.names,
-        reason=choice.get("reason"),
-        message_id=choice.get("message_id"),
-        limit=BOUND,
-    )
+    try:
+        replayed = await replay(
+            sources.settings.amqp_url,
+            sources.names,
+            reason=choice.get("reason"),
+            message_id=choice.get("message_id"),
+            limit=BOUND,
+            store=sources.store,
+            actor=actor_of(request),
+        )
+    except ReplayNotRecorded as error:
+        return render(
+            request,
+            "message.html",
+            status=500,
+            title="Replayed, but not recorded",
+            message=f"{len(error.replayed)} dead letter(s) went back to their queues, but the "
+            f"event log could not record the replay ({error.cause!r}). The console's log names "
+            "their message ids: record them by hand.",
+        )
     done = {
         "done": "replayed",
         "replayed": len(replayed),

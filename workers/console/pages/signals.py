@@ -24,7 +24,7 @@ from urllib.parse import quote
 
 from aiohttp import web
 
-from waystation.console.app import render, session_of, sources_of
+from waystation.console.app import actor_of, render, session_of, sources_of
 from waystation.console.forms import PAYLOAD, FormProblem, payload, signal_id_of
 from waystation.console.pages.approvals import approval
 
@@ -107,13 +107,13 @@ async def _send(
         return _again(request, state, events, name, posted, f"Not sent: {problem}.")
     client = await sources.client()
     try:
-        # actor: wired when the actor lands
         outcome = await client.signal(
             task_id,
             name,
             value,
             agent=str(state.agent),
             signal_id=signal_id,
+            actor=actor_of(request),
             timeout=ANSWER_SECONDS,
         )
     except TimeoutError:

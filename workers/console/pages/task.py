@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 
 from aiohttp import web
 
-from waystation.console.app import render, sources_of, task_url
+from waystation.console.app import actor_of, render, sources_of, task_url
 from waystation.console.taskview import (
     INLINE_STATES,
     MAX_CHILDREN,
@@ -154,8 +154,9 @@ async def cancel(request: web.Request) -> web.StreamResponse:
         )
     client = await sources.client()
     try:
-        # actor: wired when the actor lands
-        status = await client.cancel(state.agent, task_id, reason=reason, timeout=CANCEL_TIMEOUT)
+        status = await client.cancel(
+            state.agent, task_id, reason=reason, actor=actor_of(request), timeout=CANCEL_TIMEOUT
+        )
     except TimeoutError:
         return render(
             request,

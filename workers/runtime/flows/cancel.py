@@ -2,6 +2,9 @@
 
 A cancel racing a resume is settled by the log: whichever commits first wins, and the other is
 refused by the version check and decided again on what is there.
+
+Who cancelled, when the publisher named them (the ``x-waystation-actor`` header, cleaned), is
+the ``actor`` of the ``TaskCancelled`` metadata, and goes on the cancels sent to its peers.
 """
 
 from __future__ import annotations
@@ -11,15 +14,19 @@ from typing import Any
 
 from waystation.agent import AgentSpec
 from waystation.brokers.port import Delivery
-from waystation.events import TaskState, decide_cancel
+from waystation.events import OPERATIONS_STREAM, TaskState, decide_cancel
+from waystation.protocol.actors import actor_of
 from waystation.protocol.wire import ResultEnvelope, derived_id, result_message
 from waystation.runtime.flows.base import Steps
 from waystation.runtime.recorder import Cause
 from waystation.runtime.verdicts import Verdict, ack, dead
 
-__all__ = ["MAX_TASK_ID", "handle_cancel"]
+__all__ = ["MAX_TASK_ID", "NOT_A_TASK", "handle_cancel"]
 
 MAX_TASK_ID = 255
+NOT_A_TASK = (
+    f"{OPERATIONS_STREAM!r} is the log's stream of operations (dead-letter replays), not a task"
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +47,14 @@ async def handle_cancel(steps: Steps, delivery: Delivery, spec: AgentSpec, body:
             f"a cancel's task_id is 1 to {MAX_TASK_ID} characters",
             tell_publisher=True,
         )
+    if task_id == OPERATIONS_STREAM:
+        return dead("wrong-shape", NOT_A_TASK, tell_publisher=True)
     reason = body.get("reason") if isinstance(body.get("reason"), str) else None
     applied = await steps.recorder.append_decision(
         task_id,
         lambda current: decide_cancel(current, reason),
         key=lambda _: "cancel",
-        cause=Cause.of(delivery),
+        cause=Cause.of(delivery, actor=actor_of(delivery.headers)),
         step="cancel",
         describe_new=lambda current: TaskState(task_id=task_id, agent=spec.name),
     )

@@ -14,6 +14,10 @@ applied: the task has finished, Waystation has no record of it (it has not pause
 without the log (G10), or never was), it belongs to another agent, or the payload does not fit
 the agent's declared model for the signal (the wait goes on). A refusal is recorded for audit in
 a stream that exists (``SignalRefused``).
+
+Who sent it, when the publisher named them (the ``x-waystation-actor`` header, cleaned: a person
+behind the AMQP user, ``console:alice``), is the ``actor`` of the metadata of every event the
+signal appends (with a resumed run in place, its events too: the signal caused them).
 """
 
 from __future__ import annotations
@@ -26,11 +30,18 @@ from pydantic import BaseModel, ValidationError
 
 from waystation.agent import AgentSpec
 from waystation.brokers.port import Delivery
-from waystation.events import SignalReceived, SignalRefused, TaskState, decide_signal
+from waystation.events import (
+    OPERATIONS_STREAM,
+    SignalReceived,
+    SignalRefused,
+    TaskState,
+    decide_signal,
+)
 from waystation.events.task import MAX_KEPT_SIGNALS, MAX_SIGNAL_NAME
+from waystation.protocol.actors import actor_of
 from waystation.protocol.wire import ResultEnvelope, derived_id, result_message
 from waystation.runtime.flows.base import Steps, invalid_fields
-from waystation.runtime.flows.cancel import MAX_TASK_ID
+from waystation.runtime.flows.cancel import MAX_TASK_ID, NOT_A_TASK
 from waystation.runtime.flows.in_place import run_in_place
 from waystation.runtime.recorder import Applied, Cause
 from waystation.runtime.verdicts import Verdict, ack, dead
@@ -72,7 +83,7 @@ async def handle_signal(steps: Steps, delivery: Delivery, spec: AgentSpec, body:
         task_id,
         decide,
         key=lambda _: f"signal:{signal_id}",
-        cause=Cause.of(delivery),
+        cause=Cause.of(delivery, actor=actor_of(delivery.headers)),
         step="signal",
         run_resumed=functools.partial(run_in_place, steps),
     )
@@ -96,6 +107,8 @@ def _shape_problem(body: Any) -> str | None:
         return SIGNAL_SHAPE
     if not body["task_id"] or len(body["task_id"]) > MAX_TASK_ID:
         return f"a signal's task_id is 1 to {MAX_TASK_ID} characters"
+    if body["task_id"] == OPERATIONS_STREAM:
+        return NOT_A_TASK
     name = body.get("name")
     if not isinstance(name, str) or not name or len(name) > MAX_SIGNAL_NAME:
         return f"a signal's name is a string of 1 to {MAX_SIGNAL_NAME} characters"
