@@ -17,6 +17,8 @@ beside them, three to four minutes, so that it can be run before and after every
 * ``append``: event appends to the PostgreSQL log, batched, by concurrent writers
   (:mod:`_bench.append`);
 * ``rebuild``: projection rebuilds from position zero (:mod:`_bench.rebuild`);
+* ``console``: the web console's pages over a log of 100,000 paused tasks, each page's server
+  time (:mod:`_bench.console_pages`);
 * ``statestore``: PenguiFlow's ``save_event`` through ``waystation.contrib.penguiflow`` on the log,
 by
   concurrent callers (:mod:`_bench.statestore`; needs ``waystation[penguiflow]``).
@@ -72,7 +74,16 @@ from _bench.setup import Bench, shown
 from scripts.lab.harness.guarded import run_guarded
 from scripts.lab.harness.processes import ROOT
 
-MODES = ("throughput", "single", "curve", "memory", "append", "rebuild", "statestore")
+MODES = (
+    "throughput",
+    "single",
+    "curve",
+    "memory",
+    "append",
+    "rebuild",
+    "statestore",
+    "console",
+)
 DEFAULT_MODES = ("throughput", "single")
 """What plain ``scripts/bench`` runs (three to four minutes with Celery); the rest on request."""
 CELERY_POOLS = ("solo", "prefork", "threads")  # as _bench.celery_job.POOLS (needs no celery here)
@@ -194,6 +205,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     statestore.add_argument(
         "--statestore-callers", type=int, default=64, help="concurrent save_event callers"
     )
+    console = parser.add_argument_group("console mode")
+    console.add_argument(
+        "--console-tasks", type=int, default=100_000, help="paused tasks in the console's log"
+    )
+    console.add_argument(
+        "--console-requests", type=int, default=20, help="measured requests of each page"
+    )
     rebuild = parser.add_argument_group("rebuild mode")
     rebuild.add_argument(
         "--rebuild-events",
@@ -307,6 +325,15 @@ async def run_all(bench: Bench) -> dict[str, Any]:
             traces=a.statestore_traces,
             concurrency=a.statestore_callers,
             runs=a.runs,
+        )
+    if "console" in a.only:
+        from _bench.console_pages import console_benchmark
+
+        results["console"] = await console_benchmark(
+            bench.admin_url,
+            bench.amqp_url,
+            tasks=a.console_tasks,
+            requests=a.console_requests,
         )
     if "rebuild" in a.only and a.rebuild_events:
         results["projection_rebuild"] = await rebuild_benchmark(

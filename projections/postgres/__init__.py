@@ -9,19 +9,25 @@ One module per job; import the names below from here:
 * :mod:`.runner`: ``ProjectionRunner``, one active runner per projection across every instance,
   with failover, woken by NOTIFY with a polling fallback;
 * :mod:`.rebuild`: replay from position zero into shadow tables, compared with the live ones;
-* :mod:`.queries`: each projection's status and lag, the rows of the read models, and the
-  console overview's reads (agent activity, calls outstanding, slots in use).
+* :mod:`.queries`: each projection's status and lag, the rows of the read models (the
+  paused tasks by keyset pages too: ``paused_tasks_page``), and the console overview's
+  reads (agent activity, calls outstanding, slots in use).
 """
 
 from .feed import catch_up, create_engine, read_feed
 from .queries import (
+    COUNT_UP_TO,
+    PAGE_ORDERS,
+    WHOLE_UP_TO,
     AgentActivity,
+    PausedTasksPage,
     ProjectionStatus,
     SlotUse,
     agent_activity,
     agent_stats,
     calls_outstanding,
     paused_tasks,
+    paused_tasks_page,
     projection_status,
     slots_in_use,
 )
@@ -36,10 +42,14 @@ from .tables import (
 )
 
 __all__ = [
+    "COUNT_UP_TO",
+    "PAGE_ORDERS",
     "PROJECTIONS",
+    "WHOLE_UP_TO",
     "AgentActivity",
     "AgentMinutesProjection",
     "AgentStatsProjection",
+    "PausedTasksPage",
     "PausedTasksProjection",
     "Projection",
     "ProjectionRunner",
@@ -53,6 +63,7 @@ __all__ = [
     "catch_up",
     "create_engine",
     "paused_tasks",
+    "paused_tasks_page",
     "projection_status",
     "read_feed",
     "rebuild",

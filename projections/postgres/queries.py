@@ -7,19 +7,27 @@ the ``agent_minutes`` projection), the calls waiting for each agent's answer
 (``calls_outstanding``, from the inline ``pending_calls``) and the slots of the pool's limits in
 use (``slots_in_use``, from ``pool_slots``). None of them reads ``events``: each is a small
 read of a small table, whichever worker serves it.
+
+The paused tasks come as ``waystation tasks`` lists them, and by keyset pages with more
+filters for the console (``paused_tasks_page``).
+
+Over 400 lines on purpose: the reads of the projections are one module, and the two reads of
+the paused tasks share their filters and their SQL.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import base64
+import binascii
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy import TextClause, text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from waystation.events.codec import dumps
+from waystation.events.codec import dumps, loads
 from waystation.events.postgres import HorizonHolder, horizon_holder
 from waystation.events.store import Position
 
@@ -29,13 +37,18 @@ from .runner import _LOCK_NAMESPACE
 from .tables import _COUNTERS, PROJECTIONS
 
 __all__ = [
+    "COUNT_UP_TO",
+    "PAGE_ORDERS",
+    "WHOLE_UP_TO",
     "AgentActivity",
+    "PausedTasksPage",
     "ProjectionStatus",
     "SlotUse",
     "agent_activity",
     "agent_stats",
     "calls_outstanding",
     "paused_tasks",
+    "paused_tasks_page",
     "projection_status",
     "slots_in_use",
 ]
@@ -132,6 +145,65 @@ async def projection_status(
     return statuses
 
 
+_PAUSED_COLUMNS = (
+    "task_id, agent, pause, waits_expected, waits_recorded, earliest_deadline, paused_since, "
+    "status, waits, first_k, agent_version"
+)
+_DEADLINE = "coalesce(earliest_deadline, 'infinity'::timestamptz)"
+"""The deadline order's sort key, as revision 0011 indexes it: a row with no open wait last."""
+_WAIT_KINDS = ("call", "signal", "timer")
+
+
+def _kind_condition(kind: str) -> str:
+    """Tasks with an open wait of ``kind`` (one of three, written out, not a parameter)."""
+    return f"""waits @> '[{{"kind": "{kind}"}}]'::jsonb"""
+
+
+def _paused_filters(
+    *,
+    agent: str | None = None,
+    status: str | None = None,
+    waiting_for: str | None = None,
+    signal: str | None = None,
+    paused_before: datetime | None = None,
+    paused_after: datetime | None = None,
+    deadline_before: datetime | None = None,
+) -> tuple[list[str], dict[str, Any]]:
+    """The conditions of a read of the paused-tasks projection, and their parameters: only the
+    filters asked for, so that the planner sees each as an index can answer it, whatever plan
+    it caches for the statement."""
+    conditions = []
+    params: dict[str, Any] = {}
+    if agent is not None:
+        conditions.append("agent = :agent")
+        params["agent"] = agent
+    if status is not None:
+        conditions.append("status = :status")
+        params["status"] = status
+    if waiting_for is not None and waiting_for not in _WAIT_KINDS:
+        raise ValueError(f"a wait is a {', a '.join(_WAIT_KINDS)}, not {waiting_for!r}")
+    if signal is not None and waiting_for not in (None, "signal"):
+        raise ValueError(f"a signal's wait is not a {waiting_for}'s")
+    kind = "signal" if signal is not None else waiting_for
+    if kind is not None:
+        # containments, which the GIN index on waits answers (revision 0009); the kind's is
+        # written out (one of three) as the predicate of its partial indexes (revision 0011)
+        conditions.append(_kind_condition(kind))
+    if signal is not None:
+        conditions.append("waits @> CAST(:wanted AS jsonb)")
+        params["wanted"] = dumps([{"kind": "signal", "name": signal}]).decode()
+    if paused_before is not None:
+        conditions.append("paused_since < :paused_before")
+        params["paused_before"] = paused_before
+    if paused_after is not None:
+        conditions.append("paused_since >= :paused_after")
+        params["paused_after"] = paused_after
+    if deadline_before is not None:
+        conditions.append(f"{_DEADLINE} < :deadline_before")
+        params["deadline_before"] = deadline_before
+    return conditions, params
+
+
 async def paused_tasks(
     engine: AsyncEngine,
     *,
@@ -141,48 +213,227 @@ async def paused_tasks(
     signal: str | None = None,
     limit: int = 100,
 ) -> list[dict[str, Any]]:
-    """Rows of the paused-tasks projection, oldest pause first.
+    """Rows of the paused-tasks projection, oldest pause first (``waystation tasks``).
 
     ``waiting_for``: only tasks with an open wait of that kind (``call``, ``signal``,
     ``timer``); ``signal``: only tasks with an open wait for the signal of that name. Both are
-    answered by the index on ``waits`` (containment).
+    answered by the index on ``waits`` (containment). :func:`paused_tasks_page` pages through
+    them, with more filters.
     """
-    conditions = []
-    params: dict[str, Any] = {"limit": limit}
-    if agent is not None:
-        conditions.append("agent = :agent")
-        params["agent"] = agent
-    if status is not None:
-        conditions.append("status = :status")
-        params["status"] = status
-    wanted: dict[str, str] = {}
-    if waiting_for is not None:
-        wanted["kind"] = waiting_for
-    if signal is not None:
-        if waiting_for not in (None, "signal"):
-            raise ValueError(f"a signal's wait is not a {waiting_for}'s")
-        wanted |= {"kind": "signal", "name": signal}
-    if wanted:
-        # only the filters asked for, so that the planner sees a plain containment it can
-        # answer with the GIN index, whatever plan it caches
-        conditions.append("waits @> CAST(:wanted AS jsonb)")
-        params["wanted"] = dumps([wanted]).decode()
-    where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
-    async with engine.connect() as connection:
-        result = await connection.execute(
-            text(
-                f"""
-                SELECT task_id, agent, pause, waits_expected, waits_recorded,
-                       earliest_deadline, paused_since, status, waits, first_k, agent_version
-                FROM paused_tasks
-                {where}
-                ORDER BY paused_since, task_id
-                LIMIT :limit
-                """
-            ),
-            params,
+    page = await paused_tasks_page(
+        engine,
+        agent=agent,
+        status=status,
+        waiting_for=waiting_for,
+        signal=signal,
+        limit=limit,
+    )
+    return page.rows
+
+
+@dataclass(frozen=True, slots=True)
+class _Order:
+    """A order of the paused tasks: its sort, the keyset condition that starts a page after a
+    row, and that row's key as a cursor holds it (text, cast back in SQL)."""
+
+    sort: str
+    after: str
+    key: Callable[[Mapping[str, Any]], list[str]]
+
+
+def _deadline_key(row: Mapping[str, Any]) -> list[str]:
+    deadline = row["earliest_deadline"]
+    return ["infinity" if deadline is None else deadline.isoformat(), row["task_id"]]
+
+
+_KEY_CAST = "(CAST(CAST(:key_0 AS text) AS timestamptz), CAST(:key_1 AS text))"
+_ORDERS = {
+    "oldest": _Order(
+        sort="paused_since, task_id",
+        after=f"(paused_since, task_id) > {_KEY_CAST}",
+        key=lambda row: [row["paused_since"].isoformat(), row["task_id"]],
+    ),
+    "newest": _Order(
+        sort="paused_since DESC, task_id DESC",
+        after=f"(paused_since, task_id) < {_KEY_CAST}",
+        key=lambda row: [row["paused_since"].isoformat(), row["task_id"]],
+    ),
+    "deadline": _Order(
+        sort=f"{_DEADLINE}, task_id",
+        after=f"({_DEADLINE}, task_id) > {_KEY_CAST}",
+        key=_deadline_key,
+    ),
+}
+PAGE_ORDERS = tuple(_ORDERS)
+"""The orders :func:`paused_tasks_page` pages in."""
+
+COUNT_UP_TO = 2000
+"""A filter the planner expects to select at most this many rows is counted exactly."""
+WHOLE_UP_TO = 1000
+"""A filter that selects at most this many rows is read whole and sorted."""
+
+
+@dataclass(frozen=True, slots=True)
+class PausedTasksPage:
+    """A page of paused tasks: its rows (as :func:`paused_tasks` gives them), the cursor of the
+    next page (None on the last), and how many rows the filter selects in all."""
+
+    rows: list[dict[str, Any]]
+    next: str | None
+    """Pass it as ``after`` for the next page, with the same order (and filters)."""
+    total: int
+    """Rows the filter selects: exact when ``total_exact``, else the planner's estimate."""
+    total_exact: bool
+
+
+def _cursor(order: str, row: Mapping[str, Any]) -> str:
+    key = _ORDERS[order].key(row)
+    return base64.urlsafe_b64encode(dumps({"order": order, "key": key})).decode().rstrip("=")
+
+
+def _uncursor(order: str, cursor: str) -> list[str]:
+    """The key a cursor holds; ValueError for a string that is not a cursor of this order."""
+    try:
+        decoded = loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        cursor_order, key = decoded["order"], decoded["key"]
+        valid = (
+            cursor_order in _ORDERS
+            and isinstance(key, list)
+            and len(key) == 2
+            and all(isinstance(k, str) for k in key)
         )
-        return [dict(row._mapping) for row in result]
+        if valid and key[0] != "infinity":
+            datetime.fromisoformat(key[0])
+    except (ValueError, TypeError, KeyError, binascii.Error) as error:
+        raise ValueError(f"not a cursor of the paused tasks' pages: {cursor!r}") from error
+    if not valid:
+        raise ValueError(f"not a cursor of the paused tasks' pages: {cursor!r}")
+    if cursor_order != order:
+        raise ValueError(
+            f"this cursor pages in the order {cursor_order!r}, not {order!r}: start again "
+            "from the first page of this order"
+        )
+    return key
+
+
+async def paused_tasks_page(
+    engine: AsyncEngine,
+    *,
+    agent: str | None = None,
+    status: str | None = None,
+    waiting_for: str | None = None,
+    signal: str | None = None,
+    paused_before: datetime | None = None,
+    paused_after: datetime | None = None,
+    deadline_before: datetime | None = None,
+    order: str = "oldest",
+    after: str | None = None,
+    limit: int = 50,
+) -> PausedTasksPage:
+    """A page of the paused-tasks projection, by keyset: each page starts after the last row of
+    the one before (``after``, its ``next`` cursor), never at an offset, so that every page
+    costs what the first does, and paging to the end visits every row that stays in the table
+    exactly once, however many come and go meanwhile.
+
+    Filters (all optional, together): ``agent``; ``status`` (``paused`` or ``resumed``);
+    ``waiting_for`` a kind of open wait (``call``, ``signal``, ``timer``) and ``signal`` a
+    signal's name, answered by the GIN index on ``waits``; ``paused_before`` (strictly) and
+    ``paused_after`` (at or after) on ``paused_since``; ``deadline_before`` on the earliest
+    open deadline (a row with none never matches). Orders: ``oldest`` or ``newest`` pause first
+    (ties by task id), or ``deadline``: the earliest deadline first, rows without an open wait
+    last. Revision 0011 indexes each order with and without the agent.
+
+    ``total``: the planner's estimate of the rows the filter selects (from the table's
+    statistics: EXPLAIN, a fraction of a millisecond), and an exact count instead when that
+    estimate is at most :data:`COUNT_UP_TO` (a count through the filter's indexes, a few
+    milliseconds), so that a selective filter shows its true number and a table of 100,000 rows
+    is never counted. The count also picks the page's plan: a filter that selects at most
+    :data:`WHOLE_UP_TO` rows is read whole and sorted (cheap, and safe from a filter the
+    order's index would walk far to satisfy: approvals, whose deadlines are days away, in
+    deadline order behind every call's); any other is read along the order's index (revision
+    0011 has one per order, per order and agent, and per order and kind of wait).
+
+    A cursor is opaque (base64 of the order and the last row's key); one of another order, or
+    a string that is none, is a ValueError, as an unknown order or wait kind is.
+    """
+    if order not in _ORDERS:
+        raise ValueError(f"the order is one of {', '.join(_ORDERS)}, not {order!r}")
+    if limit < 1:
+        raise ValueError(f"a page holds at least one row, not {limit}")
+    conditions, params = _paused_filters(
+        agent=agent,
+        status=status,
+        waiting_for=waiting_for,
+        signal=signal,
+        paused_before=paused_before,
+        paused_after=paused_after,
+        deadline_before=deadline_before,
+    )
+    async with engine.connect() as connection:
+        total, exact = await _total(connection, conditions, params)
+        statement, page_params = _page_statement(
+            order, conditions, params, after, limit, whole=exact and total <= WHOLE_UP_TO
+        )
+        result = await connection.execute(statement, page_params)
+        rows = [dict(row._mapping) for row in result]
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return PausedTasksPage(
+        rows=rows,
+        next=_cursor(order, rows[-1]) if more else None,
+        total=total,
+        total_exact=exact,
+    )
+
+
+def _page_statement(
+    order: str,
+    conditions: list[str],
+    params: dict[str, Any],
+    after: str | None,
+    limit: int,
+    *,
+    whole: bool = False,
+) -> tuple[TextClause, dict[str, Any]]:
+    """The page's statement and parameters: a row more than the page, to know whether a next
+    page has any. ``whole``: read every row of the filter, then sort (see
+    :func:`paused_tasks_page`)."""
+    sorting = _ORDERS[order]
+    conditions = list(conditions)
+    params = {**params, "limit": limit + 1}
+    if after is not None:
+        params["key_0"], params["key_1"] = _uncursor(order, after)
+        conditions.append(sorting.after)
+    where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
+    selected = f"SELECT {_PAUSED_COLUMNS} FROM paused_tasks {where}"
+    if whole:
+        selected = f"WITH m AS MATERIALIZED ({selected}) SELECT * FROM m"
+    return text(f"{selected} ORDER BY {sorting.sort} LIMIT :limit"), params
+
+
+async def _total(
+    connection: AsyncConnection, conditions: list[str], params: dict[str, Any]
+) -> tuple[int, bool]:
+    """``(rows the filter selects, exact)``: see :func:`paused_tasks_page`."""
+    where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
+    # a signal's name implies its kind: estimated with both, the planner would multiply their
+    # selectivities and expect a fraction of the rows
+    implied = _kind_condition("signal") if "wanted" in params else None
+    estimated = [c for c in conditions if c != implied]
+    plan = await connection.scalar(
+        text(
+            "EXPLAIN (FORMAT JSON) SELECT 1 FROM paused_tasks"
+            + (f" WHERE {' AND '.join(estimated)}" if estimated else "")
+        ),
+        params,
+    )
+    estimate = int(plan[0]["Plan"]["Plan Rows"])  # the json is decoded by the engine's driver
+    if estimate > COUNT_UP_TO:
+        return estimate, False
+    # planned for every row it selects (no LIMIT, which would make the planner hope to stop
+    # early along a scan that may have to go far), so through the indexes of its filters
+    counted = await connection.scalar(text(f"SELECT count(*) FROM paused_tasks {where}"), params)
+    return int(counted), True
 
 
 async def agent_stats(engine: AsyncEngine) -> dict[str, AgentCounts]:

@@ -126,6 +126,7 @@ def summarise(args: argparse.Namespace, results: dict[str, Any]) -> dict[str, An
     summary["memory"] = results.get("memory")
     summary["append"] = results.get("append")
     summary["projection_rebuild"] = results.get("projection_rebuild")
+    summary["console"] = results.get("console")
     summary["celery"] = results.get("celery")
     summary["runs"] = runs
     summary["machine"] = results.get("machine")

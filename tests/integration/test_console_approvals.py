@@ -217,6 +217,7 @@ async def test_an_approval_listed_with_its_input_and_answered_by_its_form_resume
         [received] = of_type(events, "SignalReceived")
         assert received.data["payload"] == typed, "typed: the amount a number, the tags a list"
         assert received.data["signal_id"] == signal_id_of(task_id, "decision", nonce)
+        assert received.metadata["actor"] == "console:ann", "who answered, in the log"
 
         again, location, _ = await post(web, base_url, task_id, answer)  # resent: the same one
         assert (again, location) == (303, f"/tasks/{task_id}?done=signal-duplicate")

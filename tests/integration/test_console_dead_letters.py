@@ -23,7 +23,7 @@ from scripts.lab.harness.clients import RecordingClient
 from waystation.agent import App, TaskContext
 from waystation.brokers.amqp.deadletters import browse, replay
 from waystation.brokers.amqp.topology import declare
-from waystation.events import Outcome
+from waystation.events import OPERATIONS_STREAM, Outcome
 from waystation.events.postgres import PostgresEventStore
 from waystation.policies import Permanent
 from waystation.protocol.wire import Names
@@ -241,6 +241,11 @@ async def test_replaying_a_reason_sends_its_letters_to_the_worker_which_dead_let
             async with session.post(f"{base}/dead-letters/replay", data=form) as response:
                 page = await response.text()
             assert "Replayed 1 dead letter." in page
+            # (the last of the test run's replays: other tests replay in the same log)
+            recorded = (await store.read_stream(OPERATIONS_STREAM))[-1]
+            assert recorded.event_type == "DeadLettersReplayed"
+            assert recorded.data["actor"] == "console:ops", "who replayed, in the log"
+            assert recorded.data["message_ids"] == [letters.malformed]
             await eventually(
                 lambda: worker.stats.counters.get("dead_letter.invalid-json") == 1,
                 30,

@@ -286,6 +286,7 @@ async def test_cancel_from_the_page_and_a_hostile_signal(
         events = await store.read_stream(doomed)
         assert events[-1].event_type == "TaskCancelled"
         assert events[-1].data["reason"] == HOSTILE
+        assert events[-1].metadata["actor"] == "console:bob", "who cancelled, in the log"
         assert (await client.result(doomed, timeout=60)).status == "cancelled"
 
         status, page = await get(session, base + url_of(doomed) + "?done=cancelled")
