@@ -9,6 +9,8 @@ Real services, real processes, no pytest: a script imports these modules as well
 * :mod:`.database`: database URLs, scratch PostgreSQL clusters, and what is paused right now.
 * :mod:`.clients`: publishers that keep every result message they receive.
 * :mod:`.checks`: what must hold of a run's results and of its event log.
+* :mod:`.console`: the console's scene (workers, projections, a console and the tasks a person
+  finds there) and Debian's Chromium, for the browser tests and ``scripts/console-screenshots``.
 * :mod:`.guarded`: a script's run whose cleanup happens whatever stops it
   (:func:`~.guarded.run_guarded`).
 
