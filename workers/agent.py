@@ -38,6 +38,7 @@ will be retried, and the exception with its traceback), to send on to Sentry or 
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -68,6 +69,10 @@ __all__ = [
     "TaskContext",
     "TaskObserver",
 ]
+
+AGENT_NAME = re.compile(r"[A-Za-z0-9_.:@#,/+-]+")
+"""What an agent's name may hold: what AMQP allows in the name of its queue (pamqp's check),
+without the space, caught where the agent is declared rather than when its queue is."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,8 +270,11 @@ class App:
         pydantic model its payload must fit: every worker checks a signal against it before a
         wait takes it. ``version``: the version of this agent's code, recorded on each pause
         (the app's when None)."""
-        if not name or any(ch.isspace() for ch in name):
-            raise ValueError(f"agent names are non-empty and without spaces: {name!r}")
+        if not AGENT_NAME.fullmatch(name):
+            raise ValueError(
+                f"agent names are letters, digits and -_.:@#,/+ (no spaces; AMQP allows no more "
+                f"in the name of the agent's queue): {name!r}"
+            )
         for role, model in (("input", input), ("result", result)):
             if model is not None and not (isinstance(model, type) and issubclass(model, BaseModel)):
                 raise TypeError(f"agent {name!r}: {role}= takes a pydantic model, not {model!r}")

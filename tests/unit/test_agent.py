@@ -179,3 +179,26 @@ def test_an_app_takes_observers_with_a_plain_on_failure_and_refuses_others() -> 
         App(observers=[Told])  # type: ignore[list-item]
     with pytest.raises(TypeError, match="a list of observers"):
         App(observers=told)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "name", ["", "two words", "tab\there", "x<script>", 'q"uote', "a=b", "é", "new\nline"]
+)
+def test_an_agent_name_its_queue_cannot_have_is_refused_where_it_is_declared(name: str) -> None:
+    app = App()
+    with pytest.raises(ValueError, match="agent names are letters, digits"):
+
+        @app.agent(name)
+        async def handler(task: TaskContext) -> Outcome:
+            return Complete(None)
+
+
+@pytest.mark.parametrize("name", ["researcher", "a.b-c_d", "team:agent@1#x,y/z+w"])
+def test_an_agent_name_amqp_allows_is_taken(name: str) -> None:
+    app = App()
+
+    @app.agent(name)
+    async def handler(task: TaskContext) -> Outcome:
+        return Complete(None)
+
+    assert name in app.agents
