@@ -28,6 +28,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from waystation.cli.serve import _spare_the_collector as spare_the_collector
 from waystation.console import make_app
 from waystation.settings import Settings
 
@@ -54,6 +55,7 @@ async def console_benchmark(
             queue_prefix=f"bench-console-{uuid.uuid4().hex[:6]}.",
         )
         runner = web.AppRunner(make_app(settings, token=None), access_log=None)
+        spare_the_collector()  # as `waystation console` does once it listens
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

@@ -42,7 +42,7 @@ def console(host: str | None, port: int | None) -> None:
 async def _serve_console(settings: Settings) -> None:
     from aiohttp import web
 
-    from waystation.cli.serve import _stop_on_signal
+    from waystation.cli.serve import _spare_the_collector, _stop_on_signal
     from waystation.cli.wiring import until_started
     from waystation.console import make_app
 
@@ -69,6 +69,9 @@ async def _serve_console(settings: Settings) -> None:
             f"the console cannot listen on {settings.console_host}:{settings.console_port}: "
             f"{error.strerror}; choose another with --port or WAYSTATION_CONSOLE_PORT"
         ) from None
+    # a page of a long task makes many short-lived objects: as in a worker, what start-up built
+    # is kept out of the cycle collector's walks
+    _spare_the_collector()
     for address in runner.addresses:
         host, port = address[0], address[1]
         shown = f"[{host}]" if ":" in host else host
