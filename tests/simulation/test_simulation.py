@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -22,6 +23,7 @@ from scripts.lab.simulation.mutations import MUTATIONS
 from scripts.lab.simulation.runner import (
     HEAD_START,
     HeadStart,
+    SeedPool,
     check,
     default_seeds,
     history,
@@ -36,12 +38,26 @@ MUTATION_SEEDS = 6000
 handler run in place across another task's deadline on the same worker: ~1 seed in 1,000)."""
 
 
+@pytest.fixture(scope="module")
+def seed_pool() -> Iterator[SeedPool]:
+    """One process per CPU for every test here that runs seeds in parallel: each would otherwise
+    start its own (26 mutations, ~1.5 s of CPU to start each pool's processes)."""
+    with SeedPool() as pool:
+        yield pool
+
+
 @pytest.mark.timeout(1500)
-def test_every_invariant_holds_over_ten_thousand_seeds(request: pytest.FixtureRequest) -> None:
+def test_every_invariant_holds_over_ten_thousand_seeds(
+    request: pytest.FixtureRequest, seed_pool: SeedPool
+) -> None:
     """(In a whole test session the seeds start in the background at collection, see
     ``tests/conftest.py``; what has not run by now runs here, with every process.)"""
     head_start = request.config.stash.get(HEAD_START, None)
-    failures = head_start.finish() if head_start is not None else run_seeds(default_seeds())
+    failures = (
+        head_start.finish(pool=seed_pool)
+        if head_start is not None
+        else run_seeds(default_seeds(), pool=seed_pool)
+    )
     report = "\n".join(
         f"seed {f.seed}: {'; '.join(f.problems[:3])}\n    replay: {f.command}"
         for f in failures[:10]
@@ -62,6 +78,22 @@ def test_a_head_start_reports_the_failures_of_seeds_run_in_the_background_and_af
     assert failed == expected
 
 
+def test_a_pool_runs_every_seed_again_after_a_run_that_stopped_at_its_first_failure() -> None:
+    """(so that the mutation tests may share one pool: a run that stopped its processes early,
+    or had a mutation applied, leaves the next run on the pool unaffected)"""
+    seeds = range(60)
+    expected = {s for s in seeds if check(Scenario.generate(s), "unstorable-outcome")}
+    assert expected and min(expected) < 25 and max(expected) >= 50
+    with SeedPool(2) as pool:
+        first = run_seeds(
+            seeds, mutation="unstorable-outcome", stop_at_first=True, shrinking=False, pool=pool
+        )
+        assert first and {f.seed for f in first} < expected  # it stopped early
+        again = run_seeds(seeds, mutation="unstorable-outcome", shrinking=False, pool=pool)
+        assert {f.seed for f in again} == expected
+        assert run_seeds(seeds, pool=pool) == []  # the mutation was taken back
+
+
 @pytest.mark.parametrize("seed", [7, 51, 1060])
 def test_the_same_seed_gives_the_same_history(seed: int) -> None:
     first = run(Scenario.generate(seed))
@@ -78,10 +110,14 @@ def test_different_seeds_give_different_histories() -> None:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
-def test_the_simulation_catches_each_defect_put_back(mutation: str) -> None:
+def test_the_simulation_catches_each_defect_put_back(mutation: str, seed_pool: SeedPool) -> None:
     # not shrunk: that is for a person replaying it (scripts/simulate --mutation shrinks)
     failures = run_seeds(
-        range(MUTATION_SEEDS), mutation=mutation, stop_at_first=True, shrinking=False
+        range(MUTATION_SEEDS),
+        mutation=mutation,
+        stop_at_first=True,
+        shrinking=False,
+        pool=seed_pool,
     )
     assert failures, f"{mutation}: no seed of {MUTATION_SEEDS} failed with the defect put back"
 

@@ -28,6 +28,7 @@ __all__ = [
     "HEAD_START",
     "Failure",
     "HeadStart",
+    "SeedPool",
     "check",
     "default_seeds",
     "history",
@@ -159,6 +160,68 @@ def _chunks(seeds: Sequence[int], size: int) -> Iterator[Sequence[int]]:
         yield seeds[start : start + size]
 
 
+class SeedPool:
+    """Processes that run seeds, kept for many runs: each run of :meth:`run` is what
+    :func:`run_seeds` does with a pool of its own, without starting its processes again (a
+    spawned process imports the whole worker and the simulation, ~1.5 s of CPU: the 26 mutation
+    tests, one run each, share one pool).
+
+    A run that stops at its first failure stops the processes at their next seed and waits for
+    them; the next run starts with the stop cleared. A mutation is applied only for the seeds
+    of its run (:func:`~.mutations.mutated` puts the code back after each), so a run on a pool
+    that ran others sees exactly what it would on a fresh one.
+    """
+
+    def __init__(self, processes: int | None = None) -> None:
+        # spawn, not fork: the caller may be running an event loop (pytest's) in this process
+        context = multiprocessing.get_context("spawn")
+        self.processes = processes or os.cpu_count() or 1
+        self._stop = context.Event()
+        self._executor = concurrent.futures.ProcessPoolExecutor(
+            self.processes, mp_context=context, initializer=_start_process, initargs=(self._stop,)
+        )
+
+    def run(
+        self,
+        seeds: Sequence[int],
+        mutation: str | None = None,
+        stop_at_first: bool = False,
+        shrinking: bool = True,
+    ) -> list[Failure]:
+        self._stop.clear()
+        # small chunks, so that a process that drew slow seeds does not hold up the rest; when
+        # only the first failure is wanted, smaller still, so that seeds are tried in about their
+        # order (a defect that shows at seed 900 is found after ~900 seeds, not after whole chunks)
+        size = 25 if stop_at_first else max(1, -(-len(seeds) // (self.processes * 8)))
+        futures = [
+            self._executor.submit(_run_range, chunk, mutation, stop_at_first, shrinking)
+            for chunk in _chunks(seeds, size)
+        ]
+        failures: list[Failure] = []
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                failures.extend(future.result())
+                if stop_at_first and failures:
+                    break
+        finally:
+            # the processes stop at their next seed (the one that found it set the stop);
+            # chunks not started are dropped
+            self._stop.set()
+            for future in futures:
+                future.cancel()
+            concurrent.futures.wait(futures)
+        return sorted(failures, key=lambda f: f.seed)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> SeedPool:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
 def run_seeds(
     seeds: Sequence[int],
     *,
@@ -166,36 +229,20 @@ def run_seeds(
     mutation: str | None = None,
     stop_at_first: bool = False,
     shrinking: bool = True,
+    pool: SeedPool | None = None,
 ) -> list[Failure]:
     """Run every seed; the failures, each shrunk (unless not ``shrinking``: a caller that only
-    asks whether a seed fails) and with its replay command."""
+    asks whether a seed fails) and with its replay command. On ``pool``'s processes when given,
+    else on ``processes`` of their own (in this process when one, or for under 50 seeds)."""
     if mutation is not None and mutation not in MUTATIONS:
         raise ValueError(f"no mutation {mutation!r}; there are {', '.join(MUTATIONS)}")
+    if pool is not None:
+        return pool.run(seeds, mutation, stop_at_first, shrinking)
     processes = processes or os.cpu_count() or 1
     if processes == 1 or len(seeds) < 50:
         return _run_range(seeds, mutation, stop_at_first, shrinking)
-    # spawn, not fork: the caller may be running an event loop (pytest's) in this process
-    context = multiprocessing.get_context("spawn")
-    stop = context.Event()
-    # small chunks, so that a process that drew slow seeds does not hold up the rest; when only
-    # the first failure is wanted, smaller still, so that seeds are tried in about their order
-    # (a defect that shows at seed 900 is found after ~900 seeds, not after whole chunks)
-    size = 25 if stop_at_first else max(1, -(-len(seeds) // (processes * 8)))
-    chunks = list(_chunks(seeds, size))
-    failures: list[Failure] = []
-    with concurrent.futures.ProcessPoolExecutor(
-        processes, mp_context=context, initializer=_start_process, initargs=(stop,)
-    ) as pool:
-        futures = [
-            pool.submit(_run_range, chunk, mutation, stop_at_first, shrinking) for chunk in chunks
-        ]
-        for future in concurrent.futures.as_completed(futures):
-            failures.extend(future.result())
-            if stop_at_first and failures:
-                # the processes stop at their next seed; chunks not started are dropped
-                pool.shutdown(wait=True, cancel_futures=True)
-                break
-    return sorted(failures, key=lambda f: f.seed)
+    with SeedPool(processes) as own:
+        return own.run(seeds, mutation, stop_at_first, shrinking)
 
 
 def default_seeds() -> range:
@@ -228,10 +275,16 @@ class HeadStart:
         """How many chunks are done so far."""
         return sum(future.done() for future in self._futures)
 
-    def finish(self, *, processes: int | None = None) -> list[Failure]:
+    def finish(
+        self, *, processes: int | None = None, pool: SeedPool | None = None
+    ) -> list[Failure]:
+        """(``pool``, ``processes``: as :func:`run_seeds` takes them.)"""
         left = [chunk for chunk, f in zip(self._chunks, self._futures, strict=True) if f.cancel()]
         failures = run_seeds(
-            [seed for chunk in left for seed in chunk], processes=processes, mutation=self._mutation
+            [seed for chunk in left for seed in chunk],
+            processes=processes,
+            mutation=self._mutation,
+            pool=pool,
         )
         for future in self._futures:
             if not future.cancelled():
