@@ -39,6 +39,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -96,10 +97,10 @@ REFUSAL_RETRIES = (0.2, 0.5, 1.0)
 refusal is the caller's (``Settler._publish``)."""
 
 
-def _now() -> str:
-    """Now, as a dead letter's ``HEADER_DEAD_LETTERED_AT`` says it (what the console's age of
-    a letter is counted from)."""
-    return datetime.now(UTC).isoformat(timespec="milliseconds")
+def _moment(seconds: float) -> str:
+    """A moment as a dead letter's ``HEADER_DEAD_LETTERED_AT`` says it (what the console's age
+    of a letter is counted from)."""
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds")
 
 
 def _copy(
@@ -164,12 +165,15 @@ class Settler:
         worker_id: str,
         *,
         amqp_user: str | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.broker = broker
         self.names = names
         self.observer = observer
         self.worker_id = worker_id
         self.amqp_user = amqp_user
+        self.clock = clock
+        """The worker's wall clock (the simulation's own): when a letter was dead-lettered."""
 
     def received(self, delivery: Delivery) -> Delivery:
         """``delivery`` as its flow sees it: a copy a worker sent back names the original
@@ -299,7 +303,7 @@ class Settler:
             HEADER_DETAIL: detail[:1000],
             HEADER_QUEUE: message.routing_key,
             HEADER_WORKER: self.worker_id,
-            HEADER_DEAD_LETTERED_AT: _now(),
+            HEADER_DEAD_LETTERED_AT: _moment(self.clock()),
         }
         letter = replace(
             kept,
@@ -407,7 +411,7 @@ class Settler:
                 HEADER_DETAIL: rejection.detail[:1000],
                 HEADER_QUEUE: delivery.queue,
                 HEADER_WORKER: self.worker_id,
-                HEADER_DEAD_LETTERED_AT: _now(),
+                HEADER_DEAD_LETTERED_AT: _moment(self.clock()),
             }
         )
         copy = _copy(delivery, delivery.queue, headers, exchange=self.names.dead_letter_exchange)

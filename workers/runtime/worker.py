@@ -160,6 +160,7 @@ class Worker:
             self.observer,
             settings.worker_id,
             amqp_user=amqp_user_of(settings.amqp_url),
+            clock=clock,
         )
         self.limits = self._pool_limits(slots)
         # plain `def` handlers: at most as many at once as the worker takes messages per queue
